@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny checkpoints are built once per test session (no downloads, a few seconds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from swiftkv_core.convert import convert
+from swiftkv_core.tiny import build_tiny_llama
+
+# 8 layers so l = 4 skips half and AcrossKV groups of 2 and 4 divide L - l.
+TINY_LAYERS = 8
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-base"), num_hidden_layers=TINY_LAYERS)
+
+
+@pytest.fixture(scope="session")
+def tiny_swiftkv(tiny_base, tmp_path_factory) -> Path:
+    """l = 4 of 8 (SingleInputKV only), undistilled."""
+    return convert(str(tiny_base), tmp_path_factory.mktemp("tiny-swiftkv"), num_key_value_layers=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_swiftkv_across(tiny_base, tmp_path_factory) -> Path:
+    """l = 4 of 8 with 2-way AcrossKV, undistilled."""
+    return convert(str(tiny_base), tmp_path_factory.mktemp("tiny-swiftkv-across"), num_key_value_layers=4, key_value_group_size=2)
