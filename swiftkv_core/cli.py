@@ -33,5 +33,33 @@ def convert_command(
     typer.echo(str(path))
 
 
+models_app = typer.Typer(no_args_is_help=True, help="Models that can be prepared offline.")
+
+
+@models_app.command("prepare")
+def models_prepare_command(
+    name: Annotated[str, typer.Argument(help="Model name; `swiftkv models list` shows them")],
+    dir: Annotated[Path, typer.Option("--dir", help="Models directory")] = Path("models"),
+) -> None:
+    """Build (or reuse) a model folder offline and print its path."""
+    from .models import ModelPrepareError, prepare
+
+    try:
+        path = prepare(name, dir)
+    except ModelPrepareError as e:
+        fail(str(e))
+    typer.echo(str(path))
+
+
+@models_app.command("list")
+def models_list_command() -> None:
+    """Show the models `prepare` knows."""
+    from .models import REGISTRY
+
+    for model in REGISTRY.values():
+        typer.echo(f"{model.name:36s} {model.description}")
+
+
 def register_core_commands(app: typer.Typer) -> None:
     app.command("convert")(convert_command)
+    app.add_typer(models_app, name="models")
