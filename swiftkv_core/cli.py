@@ -60,6 +60,151 @@ def models_list_command() -> None:
         typer.echo(f"{model.name:36s} {model.description}")
 
 
+analyze_app = typer.Typer(no_args_is_help=True, help="What SwiftKV saves: FLOPs, KV bytes, layer similarity.")
+
+
+def _model_shape(preset: str | None, model: str | None):
+    from .analysis import PRESETS, ModelShape
+
+    if (preset is None) == (model is None):
+        fail(f"give exactly one of --preset ({', '.join(PRESETS)}) or --model DIR")
+    if preset is not None:
+        if preset not in PRESETS:
+            fail(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+        return PRESETS[preset]
+    from transformers import AutoConfig
+
+    from .convert import resolve_model_dir
+
+    try:
+        return ModelShape.from_config(AutoConfig.from_pretrained(resolve_model_dir(model)), name=model)
+    except (OSError, ValueError) as e:
+        fail(f"cannot read a model config from {model!r}: {e}")
+
+
+def _print_json(data: dict) -> None:
+    import json
+
+    typer.echo(json.dumps(data, indent=2))
+
+
+def _print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="right")
+    for r in rows:
+        table.add_row(*r)
+    Console().print(table)
+
+
+Preset = Annotated[str | None, typer.Option(help="llama-3.1-8b | llama-3.1-70b | llama-3.1-405b | smollm2-135m")]
+ModelDir = Annotated[str | None, typer.Option("--model", help="Read the shape from a checkpoint's config instead")]
+NumKVLayers = Annotated[int | None, typer.Option(help="l (default: half the layers)")]
+GroupSize = Annotated[int, typer.Option(help="AcrossKV group size g")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for machines")]
+
+
+@analyze_app.command("flops")
+def analyze_flops_command(
+    preset: Preset = None,
+    model: ModelDir = None,
+    seq_len: Annotated[int, typer.Option(help="Prompt length S (attention cost grows with it)")] = 131072,
+    num_key_value_layers: NumKVLayers = None,
+    key_value_group_size: GroupSize = 1,
+    convention: Annotated[str, typer.Option(help="exact | paper (Table 1's bookkeeping)")] = "exact",
+    json: AsJson = False,
+) -> None:
+    """GFLOPs per prefill token by component (paper Table 1), SwiftKV against the baseline."""
+    from .analysis import COMPONENTS, flops_report
+    from .config import SwiftKVConfigError
+
+    shape = _model_shape(preset, model)
+    l = shape.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
+    try:
+        report = flops_report(shape, seq_len, l, key_value_group_size, convention)
+    except (SwiftKVConfigError, ValueError) as e:
+        fail(str(e))
+    if json:
+        return _print_json(report)
+    names = {"vocab": "Vocab", "kv": "K,V", "qo": "Q,O", "mlp": "MLP", "attn": "Attn."}
+    rows = []
+    for label, figures, total in (
+        ("Baseline", report["baseline_gflops"], report["baseline_total_gflops"]),
+        (f"SwiftKV l={l} g={key_value_group_size}", report["gflops"], report["total_gflops"]),
+    ):
+        rows.append([label] + [f"{figures[c]:.3g}" for c in COMPONENTS] + [f"{total:.4g}", f"{total / report['baseline_total_gflops']:.1%}"])
+    _print_table(
+        f"{shape.name}: GFLOPs per prefill token, S={seq_len} ({convention})",
+        ["Model"] + [names[c] for c in COMPONENTS] + ["Total", "Rel."],
+        rows,
+    )
+
+
+@analyze_app.command("kv")
+def analyze_kv_command(
+    preset: Preset = None,
+    model: ModelDir = None,
+    num_key_value_layers: NumKVLayers = None,
+    key_value_group_size: GroupSize = 1,
+    kv_dtype: Annotated[str, typer.Option(help="bfloat16 | float16 | float32 | fp8")] = "bfloat16",
+    json: AsJson = False,
+) -> None:
+    """KV-cache bytes per token (AcrossKV, fp8) against the baseline in bf16."""
+    from .analysis import kv_cache_report
+    from .config import SwiftKVConfigError
+
+    shape = _model_shape(preset, model)
+    l = shape.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
+    try:
+        report = kv_cache_report(shape, l, key_value_group_size, kv_dtype)
+    except (SwiftKVConfigError, ValueError) as e:
+        fail(str(e))
+    if json:
+        return _print_json(report)
+    _print_table(
+        f"{shape.name}: KV cache per token",
+        ["Layout", "KV caches", "Bytes/token", "Relative", "Saving", "Capacity"],
+        [
+            ["Baseline (bfloat16)", str(shape.num_hidden_layers), str(report["baseline_bytes_per_token"]), "100%", "0%", "1.00x"],
+            [f"l={l} g={key_value_group_size} {kv_dtype}", str(report["kv_caches"]), str(report["bytes_per_token"]),
+             f"{report['relative']:.1%}", f"{report['saving']:.1%}", f"{report['capacity_ratio']:.2f}x"],
+        ],
+    )
+
+
+@analyze_app.command("similarity")
+def analyze_similarity_command(
+    model: Annotated[str, typer.Option("--model", help="Checkpoint folder (Llama or SwiftKV)")],
+    text: Annotated[Path, typer.Option(help="A plain-text file to run through the model")],
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence")] = 256,
+    max_sequences: Annotated[int, typer.Option(help="How many sequences to average over")] = 16,
+    threshold: Annotated[float, typer.Option(help="Suggest the first l this far (0-1) from the lowest to the highest SimScore")] = 0.5,
+    json: AsJson = False,
+) -> None:
+    """SimScore per layer (paper Eq. 1) and a suggested l."""
+    from .analysis import similarity_report
+    from .convert import resolve_model_dir
+
+    if not text.is_file():
+        fail(f"--text {text} is not a readable file")
+    try:
+        report = similarity_report(str(resolve_model_dir(model)), text.read_text(errors="replace"), seq_len, max_sequences, threshold)
+    except (OSError, ValueError) as e:
+        fail(str(e))
+    if json:
+        return _print_json(report)
+    _print_table(
+        f"SimScore per layer ({report['sequences']} sequences, {report['tokens']} tokens)",
+        ["l", "SimScore (centered)", "SimScore (Eq. 1 raw)"],
+        [[str(l), f"{s:.3f}", f"{r:.3f}"] for l, (s, r) in enumerate(zip(report["sim_scores"], report["sim_scores_raw"]))],
+    )
+    typer.echo(f"suggested --num-key-value-layers: {report['suggested_num_key_value_layers']}")
+
+
 def register_core_commands(app: typer.Typer) -> None:
+    app.add_typer(analyze_app, name="analyze")
     app.command("convert")(convert_command)
     app.add_typer(models_app, name="models")

@@ -28,3 +28,11 @@ def tiny_swiftkv(tiny_base, tmp_path_factory) -> Path:
 def tiny_swiftkv_across(tiny_base, tmp_path_factory) -> Path:
     """l = 4 of 8 with 2-way AcrossKV, undistilled."""
     return convert(str(tiny_base), tmp_path_factory.mktemp("tiny-swiftkv-across"), num_key_value_layers=4, key_value_group_size=2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, prepared offline into ./models (cached across sessions)."""
+    from swiftkv_core.models import prepare
+
+    return prepare("smollm2-135m-instruct", Path(__file__).resolve().parent.parent / "models")

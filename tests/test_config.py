@@ -1,0 +1,74 @@
+import json
+
+import pytest
+from transformers import AutoConfig, LlamaConfig
+
+from swiftkv_core.config import (
+    ARCHITECTURE,
+    LlamaSwiftKVConfig,
+    SwiftKVConfigError,
+    check_swiftkv_layout,
+    swiftkv_config_from_base,
+)
+
+BASE = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_round_trip_keeps_snowflake_fields(tmp_path):
+    config = swiftkv_config_from_base(LlamaConfig(**BASE), num_key_value_layers=4, key_value_group_size=2)
+    config.save_pretrained(tmp_path)
+    on_disk = json.loads((tmp_path / "config.json").read_text())
+    assert on_disk["architectures"] == [ARCHITECTURE]
+    assert on_disk["model_type"] == "llama_swiftkv"
+    assert (on_disk["num_key_value_layers"], on_disk["key_value_group_size"], on_disk["swiftkv"]) == (4, 2, False)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(loaded, LlamaSwiftKVConfig)
+    strip = lambda d: {k: v for k, v in d.items() if k != "_name_or_path"}  # noqa: E731
+    assert strip(loaded.to_dict()) == strip(config.to_dict())
+
+
+def test_snowflake_published_config_loads(tmp_path):
+    # The shape of Snowflake's published Llama-3.1-8B SwiftKV config.json (fields they write).
+    published = {
+        "architectures": ["LlamaSwiftKVForCausalLM"], "model_type": "llama_swiftkv", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 8, "num_key_value_heads": 2,
+        "vocab_size": 100, "num_key_value_layers": 4, "key_value_group_size": 1, "swiftkv": True,
+        "rope_theta": 500000.0, "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 64, "rope_type": "llama3"}, "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(config, LlamaSwiftKVConfig)
+    assert config.num_key_value_layers == 4 and config.swiftkv is True
+    assert config.rope_parameters["rope_type"] == "llama3"
+
+
+def test_defaults_mean_swiftkv_off():
+    config = LlamaSwiftKVConfig(**BASE)
+    assert config.num_key_value_layers == 8 and config.key_value_group_size == 1
+    assert list(config.swiftkv_layers) == [] and config.num_kv_caches == 8
+
+
+def test_layout_helpers():
+    config = LlamaSwiftKVConfig(**BASE, num_key_value_layers=2, key_value_group_size=3)
+    assert list(config.swiftkv_layers) == [2, 3, 4, 5, 6, 7]
+    assert [config.kv_group_leader(i) for i in range(8)] == [0, 1, 2, 2, 2, 5, 5, 5]
+    assert config.num_kv_caches == 4
+
+
+@pytest.mark.parametrize(
+    "l, g, field, hint",
+    [
+        (0, 1, "num_key_value_layers", "[1, 8]"),
+        (9, 1, "num_key_value_layers", "[1, 8]"),
+        (4, 3, "key_value_group_size", "allowed values: [1, 2, 4]"),
+        (4, 0, "key_value_group_size", "allowed values: [1, 2, 4]"),
+    ],
+)
+def test_bad_layout_names_field_and_allowed_values(l, g, field, hint):
+    with pytest.raises(SwiftKVConfigError) as err:
+        check_swiftkv_layout(8, l, g)
+    assert field in str(err.value) and hint in str(err.value)
+    with pytest.raises(Exception) as err:  # the config class validates on construction too
+        LlamaSwiftKVConfig(**BASE, num_key_value_layers=l, key_value_group_size=g)
+    assert field in str(err.value)
