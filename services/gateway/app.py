@@ -1,0 +1,456 @@
+"""The OpenAI-compatible gateway: validate -> authenticate -> count tokens -> limit -> route -> stream.
+
+One public model name maps to the pools (routed by prompt/output ratio); each pool's own model name
+bypasses routing. Every response carries `x-swiftkv-route: pool=...; reason=...; ratio=...`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from services.serving.backend import Backend, BackendError, BadRequest, GenerateRequest, Output, SamplingOptions
+from services.serving.config import PlatformConfig
+
+from . import metrics
+from .auth import KeyStore, RateLimiter
+from .errors import APIError, bad_request, error_response, sse_error
+from .prompts import Prompter, max_model_len
+from .routing import Decision, Ewma, NoPoolAvailable, PoolState, RoutePolicy
+from .schemas import ChatCompletionRequest, CompletionRequest, parse
+
+log = logging.getLogger("swiftkv.gateway")
+
+REJECTION_REASONS = {
+    "invalid_api_key": "auth",
+    "rate_limit_exceeded": "rate_limit",
+    "request_too_large": "body_too_large",
+    "context_length_exceeded": "prompt_too_long",
+    "model_not_found": "unknown_model",
+    "unavailable": "unavailable",
+}
+
+
+@dataclass
+class Choice:
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)
+
+
+class Gateway:
+    """Holds the pools and everything a request needs; the FastAPI app is a thin shell around it."""
+
+    def __init__(self, cfg: PlatformConfig, backends: dict[str, Backend], prompter: Prompter, keys: KeyStore,
+                 on_ready: Callable[[], None] | None = None):
+        self.cfg = cfg
+        self.prompter = prompter
+        self.keys = keys
+        self.on_ready = on_ready
+        self.pools = {
+            name: PoolState(name, backend, cfg.served_name(name), max_model_len(cfg.pools[name].model, cfg.pools[name].engine_args))
+            for name, backend in backends.items()
+        }
+        self.models: dict[str, str | None] = {cfg.model: None} | {p.served_model_name: name for name, p in self.pools.items()}
+        lens = [p.max_model_len for p in self.pools.values() if p.max_model_len]
+        self.max_model_len = min(lens) if lens else None
+        self.max_prompt_tokens = cfg.limits.max_prompt_tokens or (self.max_model_len - 1 if self.max_model_len else None)
+        self.policy = RoutePolicy(cfg.routing)
+        self.limiter = RateLimiter(cfg.limits.requests_per_minute, cfg.limits.prompt_tokens_per_minute, cfg.limits.output_tokens_per_minute)
+        self.output_estimate = Ewma(float(cfg.routing.default_output_estimate))
+        self.created = int(time.time())
+        self._tasks: list[asyncio.Task] = []
+        for name in self.pools:
+            metrics.pool_ready.labels(name).set(0)
+            metrics.in_flight.labels(name).set(0)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start pools one by one (engines compete for the same cores), then watch their health."""
+        for name, pool in self.pools.items():
+            try:
+                await pool.backend.start()
+                pool.ready = True
+                metrics.pool_ready.labels(name).set(1)
+                log.info("pool %s ready (%s)", name, pool.served_model_name)
+            except Exception:
+                log.exception("pool %s failed to start; the other pool serves its traffic", name)
+        if self.on_ready is not None and self.ready:
+            self.on_ready()
+        self._tasks.append(asyncio.create_task(self._watch_health()))
+
+    async def _watch_health(self, period: float = 5.0) -> None:
+        started = {name for name, p in self.pools.items() if p.ready}
+        while True:
+            await asyncio.sleep(period)
+            for name in started:
+                pool = self.pools[name]
+                pool.ready = await pool.backend.health()
+                metrics.pool_ready.labels(name).set(int(pool.ready))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for pool in self.pools.values():
+            try:
+                await pool.backend.stop()
+            except Exception:
+                log.exception("stopping pool %s", pool.name)
+
+    @property
+    def ready(self) -> bool:
+        return all(p.ready for p in self.pools.values())
+
+    # ---- request preparation ---------------------------------------------------------------------
+    async def read_json(self, request: Request) -> object:
+        limit = self.cfg.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise APIError(400, f"request body is {declared} bytes; the limit is {limit} bytes", code="request_too_large")
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(400, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"malformed JSON body: {e}", code="invalid_json")
+
+    def resolve_model(self, name: str) -> str | None:
+        if name not in self.models:
+            raise APIError(404, f"the model '{name}' does not exist; available: {', '.join(self.models)}",
+                           param="model", code="model_not_found")
+        return self.models[name]
+
+    def output_tokens(self, prompt_tokens: int, requested: int | None) -> int:
+        """max_tokens for the engine: what the client asked for, or what fits in the context."""
+        if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
+            raise APIError(400, f"the prompt has {prompt_tokens} tokens; the limit is {self.max_prompt_tokens} tokens",
+                           param="messages", code="context_length_exceeded")
+        if self.max_model_len is None:
+            return requested or self.cfg.routing.default_output_estimate
+        room = self.max_model_len - prompt_tokens
+        if requested is not None and requested > room:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens: the prompt has "
+                                f"{prompt_tokens} and max_tokens asks for {requested}", param="max_tokens",
+                           code="context_length_exceeded")
+        return requested or room
+
+    # ---- serving ---------------------------------------------------------------------------------
+    async def tracked(self, pool: PoolState, model: str, request: GenerateRequest, t0: float, identity: str,
+                      reserved: int, estimate_output: bool) -> AsyncIterator[Output]:
+        """The backend's stream with the gateway's bookkeeping: metrics, backlog, estimates, limits."""
+        prompt_tokens = len(request.prompt_token_ids)
+        labels = (pool.name, model)
+        metrics.in_flight.labels(pool.name).inc()
+        metrics.prompt_tokens.labels(*labels).inc(prompt_tokens)
+        pool.dispatched(prompt_tokens)
+        first_at = None
+        generated = 0
+        status = "error"
+        try:
+            async with aclosing(pool.backend.generate(request)) as stream:
+                async for out in stream:
+                    n = sum(c.num_tokens for c in out.choices)
+                    if first_at is None and n:
+                        first_at = time.perf_counter()
+                        pool.first_token(prompt_tokens, first_at - t0)
+                        metrics.ttft.labels(*labels).observe(first_at - t0)
+                    if out.queue_seconds is not None:
+                        metrics.queue.labels(*labels).observe(out.queue_seconds)
+                    generated += n
+                    yield out
+            status = "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "client_disconnect"
+            raise
+        finally:
+            end = time.perf_counter()
+            if first_at is None:
+                pool.first_token(prompt_tokens, 0.0)
+            metrics.in_flight.labels(pool.name).dec()
+            metrics.requests.labels(*labels, status).inc()
+            metrics.generation_tokens.labels(*labels).inc(generated)
+            metrics.e2e.labels(*labels).observe(end - t0)
+            per_choice = generated / max(request.sampling.n, 1)
+            if first_at is not None and per_choice > 1:
+                metrics.tpot.labels(*labels).observe((end - first_at) / (per_choice - 1))
+            if status == "ok" and estimate_output:
+                self.output_estimate.update(per_choice)
+            self.limiter.settle(identity, reserved, generated)
+
+    async def prepare(self, request: Request, kind: str):
+        """Everything before dispatch; raises APIError for any refusal."""
+        identity = self.keys.identify(request.headers.get("authorization"))
+        data = await self.read_json(request)
+        if kind == "chat":
+            req = parse(ChatCompletionRequest, data)
+            logprobs = req.logprobs_k()
+            pinned = self.resolve_model(req.model)
+            prompt_ids = self.prompter.chat(req)
+        else:
+            req = parse(CompletionRequest, data)
+            if req.echo or req.suffix is not None:
+                raise bad_request("echo and suffix are not supported", param="echo" if req.echo else "suffix")
+            logprobs = req.logprobs_k()
+            pinned = self.resolve_model(req.model)
+            prompt_ids = self.prompter.completion(req)
+        requested = req.output_limit()
+        max_tokens = self.output_tokens(len(prompt_ids), requested)
+        expected = requested or max(1, min(max_tokens, round(self.output_estimate.value)))
+        self.limiter.acquire(identity, len(prompt_ids), expected * req.n)
+        try:
+            decision = self.policy.decide(len(prompt_ids), expected, self.pools, pinned)
+        except NoPoolAvailable as e:
+            self.limiter.settle(identity, expected * req.n, 0)
+            raise APIError(503, f"{e}; try again shortly", "server_error", code="unavailable")
+        sampling = SamplingOptions(
+            max_tokens=max_tokens, n=req.n, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+            stop=req.stops(), logprobs=logprobs, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, ignore_eos=req.ignore_eos,
+        )
+        return identity, req, GenerateRequest(secrets.token_hex(12), prompt_ids, sampling), decision, expected * req.n, requested is None
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        t0 = time.perf_counter()
+        try:
+            identity, req, gen, decision, reserved, estimate = await self.prepare(request, kind)
+        except APIError as e:
+            metrics.rejections.labels(REJECTION_REASONS.get(e.code or "", "invalid_request")).inc()
+            return e.response()
+        metrics.route_decisions.labels(decision.pool, decision.reason).inc()
+        metrics.overhead.labels(decision.pool).observe(time.perf_counter() - t0)
+        pool = self.pools[decision.pool]
+        stream = self.tracked(pool, req.model, gen, t0, identity, reserved, estimate)
+        headers = {"x-swiftkv-route": decision.header(), "x-request-id": gen.request_id}
+        render = ChatRender if kind == "chat" else CompletionRender
+        r = render(gen.request_id, req.model, int(time.time()), req.n, gen.sampling.logprobs is not None)
+        if req.stream:
+            return StreamingResponse(self.sse(stream, r, len(gen.prompt_token_ids), req.include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        return await self.complete(request, stream, r, len(gen.prompt_token_ids), headers)
+
+    async def complete(self, request: Request, stream: AsyncIterator[Output], r, prompt_tokens: int, headers) -> Response:
+        choices = [Choice() for _ in range(r.n)]
+
+        async def collect() -> None:
+            async with aclosing(stream) as s:
+                async for out in s:
+                    for c in out.choices:
+                        ch = choices[c.index]
+                        ch.text.append(c.text)
+                        ch.tokens += c.num_tokens
+                        ch.finish_reason = c.finish_reason or ch.finish_reason
+                        if c.logprobs:
+                            ch.logprobs.extend(c.logprobs)
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():  # the client left (or we are shutting down): abort the engine request
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+            gone.cancel()
+        if work.cancelled():
+            return Response(status_code=499)
+        try:
+            work.result()
+        except BadRequest as e:
+            return error_response(400, str(e), headers=headers)
+        except BackendError as e:
+            log.warning("%s", e)
+            return error_response(503, "the engine failed to serve this request; try again", "server_error", code="unavailable", headers=headers)
+        completion_tokens = sum(c.tokens for c in choices)
+        return JSONResponse(r.full(choices, _usage(prompt_tokens, completion_tokens)), headers=headers)
+
+    async def sse(self, stream: AsyncIterator[Output], r, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+        completion_tokens = 0
+        try:
+            async with aclosing(stream) as s:
+                for chunk in r.start():
+                    yield _event(chunk, include_usage)
+                async for out in s:
+                    completion_tokens += sum(c.num_tokens for c in out.choices)
+                    yield _event(r.chunk(out), include_usage)
+        except BadRequest as e:
+            yield sse_error(str(e), "invalid_request_error")
+            return
+        except BackendError as e:
+            log.warning("%s", e)
+            yield sse_error("the engine failed to serve this request", code="unavailable")
+            return
+        if include_usage:
+            yield _event(r.usage_chunk(_usage(prompt_tokens, completion_tokens)), False)
+        yield b"data: [DONE]\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _event(chunk: dict, include_usage: bool) -> bytes:
+    if include_usage:
+        chunk["usage"] = None
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ChatRender:
+    """OpenAI chat.completion and chat.completion.chunk objects."""
+
+    def __init__(self, request_id: str, model: str, created: int, n: int, logprobs: bool):
+        self.id, self.model, self.created, self.n, self.logprobs = f"chatcmpl-{request_id}", model, created, n, logprobs
+
+    def _base(self, object_: str) -> dict:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
+
+    @staticmethod
+    def _logprobs(items) -> dict:
+        def entry(token, logprob):
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        return {"content": [entry(t.token, t.logprob) | {"top_logprobs": [entry(a, b) for a, b in t.top]} for t in items]}
+
+    def full(self, choices: list[Choice], usage: dict) -> dict:
+        return self._base("chat.completion") | {
+            "choices": [
+                {"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+                 "logprobs": self._logprobs(c.logprobs) if self.logprobs else None, "finish_reason": c.finish_reason}
+                for i, c in enumerate(choices)
+            ],
+            "usage": usage,
+        }
+
+    def start(self) -> list[dict]:
+        return [self._base("chat.completion.chunk") | {"choices": [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(self.n)]}]
+
+    def chunk(self, out: Output) -> dict:
+        return self._base("chat.completion.chunk") | {"choices": [
+            {"index": c.index, "delta": {"content": c.text} if c.text or not c.finish_reason else {},
+             "logprobs": self._logprobs(c.logprobs) if self.logprobs and c.logprobs else None,
+             "finish_reason": c.finish_reason}
+            for c in out.choices]}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._base("chat.completion.chunk") | {"choices": [], "usage": usage}
+
+
+class CompletionRender(ChatRender):
+    """OpenAI text_completion objects (streamed chunks have the same shape)."""
+
+    def __init__(self, request_id: str, model: str, created: int, n: int, logprobs: bool):
+        super().__init__(request_id, model, created, n, logprobs)
+        self.id = f"cmpl-{request_id}"
+
+    @staticmethod
+    def _logprobs(items) -> dict:
+        offsets, pos = [], 0
+        for t in items:
+            offsets.append(pos)
+            pos += len(t.token)
+        return {"tokens": [t.token for t in items], "token_logprobs": [t.logprob for t in items],
+                "top_logprobs": [dict(t.top) for t in items], "text_offset": offsets}
+
+    def full(self, choices: list[Choice], usage: dict) -> dict:
+        return self._base("text_completion") | {
+            "choices": [
+                {"index": i, "text": "".join(c.text), "logprobs": self._logprobs(c.logprobs) if self.logprobs else None,
+                 "finish_reason": c.finish_reason}
+                for i, c in enumerate(choices)
+            ],
+            "usage": usage,
+        }
+
+    def start(self) -> list[dict]:
+        return []
+
+    def chunk(self, out: Output) -> dict:
+        return self._base("text_completion") | {"choices": [
+            {"index": c.index, "text": c.text, "logprobs": self._logprobs(c.logprobs) if self.logprobs and c.logprobs else None,
+             "finish_reason": c.finish_reason}
+            for c in out.choices]}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._base("text_completion") | {"choices": [], "usage": usage}
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        starting = asyncio.create_task(gateway.start())  # /health answers while engines warm up
+        try:
+            yield
+        finally:
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            await gateway.stop()
+
+    app = FastAPI(title="SwiftKV gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gateway
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, "internal error", "server_error")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        body = {"ready": gateway.ready, "pools": {name: p.ready for name, p in gateway.pools.items()}}
+        return JSONResponse(body, status_code=200 if gateway.ready else 503)
+
+    @app.get("/metrics")
+    async def prometheus(request: Request):
+        gateway.keys.identify(request.headers.get("authorization"))
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        gateway.keys.identify(request.headers.get("authorization"))
+        data = [{"id": name, "object": "model", "created": gateway.created, "owned_by": "swiftkv",
+                 "root": gateway.cfg.model if pool else None, "pool": pool}
+                for name, pool in gateway.models.items()]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await gateway.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await gateway.handle(request, "completion")
+
+    return app

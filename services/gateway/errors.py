@@ -1,0 +1,38 @@
+"""OpenAI's error envelope: `{"error": {"message", "type", "param", "code"}}` with the matching status."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.responses import Response
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def response(self) -> Response:
+        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> Response:
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return Response(json.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def sse_error(message: str, type: str = "server_error", code: str | None = None) -> bytes:
+    """An error inside an already-started stream: sent as one event, like OpenAI does."""
+    body = {"error": {"message": message, "type": type, "param": None, "code": code}}
+    return f"data: {json.dumps(body)}\n\n".encode()

@@ -1,0 +1,34 @@
+"""Gateway-side Prometheus metrics: prefix `swiftkv_`, base units, labels of low cardinality (pool, model,
+reason, status: each from a small fixed set). Engine metrics keep vLLM's own `vllm:` names and are
+exposed beside these by the in-process engines (services.serving.engine.EngineMetrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
+
+disable_created_metrics()  # no `_created` series: they double the output and no dashboard reads them
+
+# Fine below one second, where TTFT of short prompts lives, then coarser up to minutes.
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+PM = ("pool", "model")
+
+ttft = Histogram("swiftkv_time_to_first_token_seconds", "Gateway-side time to first token (request received to first token sent)", PM, buckets=TTFT_BUCKETS)
+tpot = Histogram("swiftkv_time_per_output_token_seconds", "Mean time per output token after the first, per request", PM, buckets=TPOT_BUCKETS)
+e2e = Histogram("swiftkv_e2e_request_latency_seconds", "Request received to last token sent", PM, buckets=E2E_BUCKETS)
+queue = Histogram("swiftkv_request_queue_time_seconds", "Time the request waited in the engine queue before being scheduled", PM, buckets=TTFT_BUCKETS)
+overhead = Histogram("swiftkv_gateway_overhead_seconds", "Gateway time before dispatch: parsing, auth, tokenization, limits, routing", ("pool",), buckets=OVERHEAD_BUCKETS)
+prompt_tokens = Counter("swiftkv_prompt_tokens", "Prompt tokens of requests dispatched", PM)
+generation_tokens = Counter("swiftkv_generation_tokens", "Tokens generated", PM)
+requests = Counter("swiftkv_requests", "Requests that reached a pool, by outcome (ok, error, client_disconnect)", PM + ("status",))
+route_decisions = Counter("swiftkv_route_decisions", "Route decisions by pool and reason", ("pool", "reason"))
+in_flight = Gauge("swiftkv_requests_in_flight", "Requests being served", ("pool",))
+rejections = Counter("swiftkv_requests_rejected", "Requests refused before reaching a pool, by reason", ("reason",))
+pool_ready = Gauge("swiftkv_pool_ready", "1 when the pool is warmed up and healthy", ("pool",))
+pool_backlog = Gauge("swiftkv_pool_backlog_tokens", "Prompt tokens dispatched to the pool and not yet prefilled", ("pool",))
+pool_prefill_rate = Gauge("swiftkv_pool_prefill_rate_tokens_per_second", "Measured prefill rate (moving average)", ("pool",))

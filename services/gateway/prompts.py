@@ -1,0 +1,52 @@
+"""Turn request bodies into prompt token ids with the served model's tokenizer (chat template applied),
+so routing and limits count exactly what the engine will prefill."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import bad_request
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+
+class Prompter:
+    def __init__(self, tokenizer_path: str):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.vocab_size = len(self.tokenizer)
+
+    def chat(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # the template rejects the conversation (roles out of order, ...)
+            raise bad_request(f"the chat template rejected these messages: {e}", param="messages")
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def completion(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request("send one prompt per request (batched prompts are not supported; use n for several completions)", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad_request("prompt must not be empty", param="prompt")
+            return self.tokenizer.encode(prompt)
+        if not prompt:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if any(t < 0 or t >= self.vocab_size for t in prompt):
+            raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        return list(prompt)
+
+
+def max_model_len(model: str, engine_args: dict) -> int | None:
+    """The pool's context length: engine_args.max_model_len, else the local checkpoint's own limit."""
+    if engine_args.get("max_model_len"):
+        return int(engine_args["max_model_len"])
+    config = Path(model) / "config.json"
+    if config.exists():
+        return json.loads(config.read_text()).get("max_position_embeddings")
+    return None

@@ -1,0 +1,139 @@
+"""`swiftkv serve` (the platform) and `swiftkv demo` (prepare the models, then serve the default config)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+import typer
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServeSettings(BaseSettings):
+    """Environment (SWIFTKV_*) defaults for `swiftkv serve`; command-line flags override them."""
+
+    model_config = SettingsConfigDict(env_prefix="SWIFTKV_")
+
+    config: Optional[Path] = None
+    engine: Literal["inprocess", "ray"] = "ray"
+    host: Optional[str] = None
+    port: Optional[int] = None
+    api_keys_file: Optional[str] = None
+    log_level: str = "info"
+    ray_metrics_port: int = 8080
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=2)
+
+
+def _check_models(cfg) -> None:
+    for name, pool in cfg.pools.items():
+        path = Path(pool.model)
+        looks_local = pool.model.startswith((".", "/")) or pool.model.startswith("models/")
+        if pool.backend == "engine" and looks_local and not path.exists():
+            _fail(f"pool {name}: model folder {pool.model} does not exist "
+                  f"(prepare it with `swiftkv models prepare {path.name}`, or run `swiftkv demo`)")
+
+
+def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str | None = None, ray_metrics_port: int = 8080) -> None:
+    import uvicorn
+
+    from services.gateway.app import Gateway, create_app
+    from services.gateway.auth import KeyStore
+    from services.gateway.prompts import Prompter
+    from services.serving.pools import build_backends
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        keys = KeyStore.from_env(api_keys_file or cfg.api_keys_file)
+    except (OSError, ValueError) as e:
+        _fail(f"API keys: {e}")
+    first = next(iter(cfg.pools.values()))
+    prompter = Prompter(first.tokenizer or first.model)
+    if engine == "ray":
+        from services.serving.ray_backend import start_ray
+
+        start_ray(cfg.ray_address, ray_metrics_port)
+        typer.echo(f"Ray Serve up; engine metrics (ray_vllm:*) at http://127.0.0.1:{ray_metrics_port}/metrics"
+                   if not cfg.ray_address else "joined Ray cluster")
+    backends = build_backends(cfg, engine)
+    key_hint = ' -H "Authorization: Bearer $SWIFTKV_API_KEY"' if keys.enabled else ""
+
+    def on_ready() -> None:
+        typer.secho(f"SwiftKV is serving {cfg.model} (pools: {', '.join(cfg.pools)}) at http://{cfg.host}:{cfg.port}/v1", fg=typer.colors.GREEN)
+        typer.echo("Try:\n  curl -s http://%s:%d/v1/chat/completions -H 'Content-Type: application/json'%s \\\n"
+                   "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'"
+                   % (cfg.host, cfg.port, key_hint, cfg.model))
+
+    app = create_app(Gateway(cfg, backends, prompter, keys, on_ready=on_ready))
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    if engine == "ray":
+        from ray import serve
+
+        serve.shutdown()
+
+
+def serve_command(
+    config: Annotated[Optional[Path], typer.Option(help="Platform YAML (pools, routing, limits); default: SmolLM2 on 127.0.0.1:8000")] = None,
+    engine: Annotated[Optional[str], typer.Option(help="ray: Ray Serve deployments (local cluster unless ray_address); inprocess: engines inside the gateway process")] = None,
+    host: Annotated[Optional[str], typer.Option(help="Override the config's host")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Override the config's port")] = None,
+    api_keys_file: Annotated[Optional[str], typer.Option(help="API keys file (also SWIFTKV_API_KEYS / SWIFTKV_API_KEYS_FILE)")] = None,
+) -> None:
+    """Run the OpenAI-compatible gateway and its engine pools."""
+    from services.serving.config import load_config
+
+    settings = ServeSettings()
+    engine = engine or settings.engine
+    if engine not in ("ray", "inprocess"):
+        _fail(f"--engine must be 'ray' or 'inprocess', not {engine!r}")
+    config = config or settings.config
+    if config is not None and not Path(config).exists():
+        _fail(f"config file {config} does not exist")
+    try:
+        cfg = load_config(config, {"host": host or settings.host, "port": port or settings.port})
+    except (ValidationError, ValueError) as e:
+        _fail(f"invalid config {config or '(default)'}: {e}")
+    _check_models(cfg)
+    run_platform(cfg, engine, settings.log_level, api_keys_file or settings.api_keys_file, settings.ray_metrics_port)
+
+
+def demo_command(
+    engine: Annotated[str, typer.Option(help="inprocess (default: fits small machines) or ray")] = "inprocess",
+    port: Annotated[Optional[int], typer.Option(help="Override the port (default 8000)")] = None,
+) -> None:
+    """Prepare SmolLM2 (and its SwiftKV version) offline, then serve them with the default config."""
+    from services.serving.config import load_config
+
+    cfg = load_config(None, {"port": port})
+    for name, pool in cfg.pools.items():
+        if Path(pool.model).exists():
+            continue
+        model_name = Path(pool.model).name
+        path = _prepare(model_name)
+        if path is None:  # not preparable yet (e.g. no SwiftKV model): serve the base model in this pool
+            base = cfg.pools["decode"].model
+            typer.secho(f"pool {name}: {model_name} cannot be prepared here yet; serving {base} in its place", fg=typer.colors.YELLOW)
+            if not Path(base).exists():
+                _prepare(Path(base).name)
+            pool.model = base
+    run_platform(cfg, engine)
+
+
+def _prepare(model_name: str) -> Path | None:
+    from swiftkv_core import models
+
+    if model_name not in models.REGISTRY:
+        return None
+    typer.echo(f"preparing {model_name} (offline, once)...")
+    return models.prepare(model_name, Path(models.DEFAULT_MODELS_DIR))
+
+
+def register_serving_commands(app: typer.Typer) -> None:
+    app.command("serve")(serve_command)
+    app.command("demo")(demo_command)

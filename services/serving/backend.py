@@ -1,0 +1,87 @@
+"""The one interface between the gateway and engines.
+
+A Backend streams the outputs of one generation request, reports health, and reports load. Requests
+arrive already tokenized (the gateway counts tokens to route, so the engine never tokenizes twice) and
+outputs come back as deltas per choice. Everything here is plain data so it crosses process
+boundaries (Ray) unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+
+@dataclass
+class SamplingOptions:
+    max_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # top-k alternatives per token (0 = only the chosen token's logprob)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Output:
+    """One step of a request's stream: new text per choice (only choices that advanced)."""
+
+    choices: list[ChoiceDelta]
+    queue_seconds: float | None = None  # engine queue time, once known (first output), if the backend knows it
+
+
+@dataclass
+class Load:
+    running: int = 0  # requests in flight in this backend
+    queued_prompt_tokens: int = 0  # prompt tokens not yet prefilled (as far as the backend knows)
+
+
+class BackendError(RuntimeError):
+    """The backend could not serve the request (engine dead, remote unreachable...)."""
+
+
+class BadRequest(ValueError):
+    """The engine rejected the request's content (the gateway answers 400 with this message)."""
+
+
+class Backend(Protocol):
+    name: str
+
+    async def start(self) -> None:
+        """Bring the engines up and warm them up; return once the backend can serve."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
+        """Stream outputs; cancelling the iteration (or closing it) aborts the request in the engine."""
+
+    async def health(self) -> bool: ...
+
+    def load(self) -> Load: ...
+
+    async def stop(self) -> None: ...

@@ -1,0 +1,127 @@
+"""The platform's one configuration: pools of engines plus gateway settings, from YAML.
+
+A pool is a set of identical engine replicas serving one model: `prefill` (the SwiftKV model, for
+prompt-heavy requests) and `decode` (the base model). Each pool says where its engines run
+(`inprocess`, `ray`, or a `remote` OpenAI-compatible URL), the model, vLLM engine arguments and
+replica/autoscaling settings. With no file, the embedded DEFAULT_CONFIG serves SmolLM2 on
+127.0.0.1:8000.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_CONFIG = """\
+# Served by `swiftkv serve` when no --config is given (and by `swiftkv demo`).
+model: swiftkv-smollm2            # the public name; requests for it are routed between the pools
+host: 127.0.0.1
+port: 8000
+routing:
+  ratio_threshold: 4.0            # prompt/expected-output tokens >= this -> prefill pool
+pools:
+  prefill:                        # SwiftKV model: cheap prefill for prompt-heavy requests
+    model: models/smollm2-135m-instruct-swiftkv
+    engine_args: {max_model_len: 2048, dtype: bfloat16, enforce_eager: true, kv_cache_memory_bytes: 268435456}
+    replicas: {min: 1, max: 2, target_ongoing_requests: 8, max_ongoing_requests: 32}
+  decode:                         # base model: decode-heavy requests
+    model: models/smollm2-135m-instruct
+    engine_args: {max_model_len: 2048, dtype: bfloat16, enforce_eager: true, kv_cache_memory_bytes: 268435456}
+    replicas: {min: 1, max: 2, target_ongoing_requests: 8, max_ongoing_requests: 32}
+"""
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class Replicas(StrictModel):
+    """Ray Serve replica count and autoscaling (ignored by in-process and remote pools: one engine each)."""
+
+    min: int = Field(1, ge=0)
+    max: int = Field(2, ge=1)
+    target_ongoing_requests: float = Field(8, gt=0)
+    max_ongoing_requests: int = Field(32, ge=1)
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(120.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _order(self) -> "Replicas":
+        if self.max < self.min:
+            raise ValueError(f"replicas.max ({self.max}) must be >= replicas.min ({self.min})")
+        return self
+
+
+class PoolConfig(StrictModel):
+    model: str = Field(description="local folder or hub id of the model this pool serves")
+    served_model_name: str | None = Field(None, description="name clients use to bypass routing; default '<public>-<pool>'")
+    tokenizer: str | None = Field(None, description="tokenizer folder or hub id; default: the model")
+    backend: Literal["engine", "remote"] = "engine"  # engine: inprocess or ray (chosen by --engine)
+    url: str | None = Field(None, description="base URL of a remote OpenAI-compatible server (backend: remote)")
+    api_key: str | None = Field(None, description="bearer key for the remote server")
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="vLLM AsyncEngineArgs fields")
+    replicas: Replicas = Field(default_factory=Replicas)
+    warmup: bool = True
+
+    @model_validator(mode="after")
+    def _remote_needs_url(self) -> "PoolConfig":
+        if self.backend == "remote" and not self.url:
+            raise ValueError("a remote pool needs `url`")
+        return self
+
+
+class RoutingConfig(StrictModel):
+    ratio_threshold: float = Field(4.0, gt=0, description="prompt/output >= threshold -> prefill pool")
+    backlog_factor: float = Field(4.0, gt=1, description="override the ratio when the chosen pool's predicted wait is this many times the other's")
+    backlog_min_seconds: float = Field(0.25, ge=0, description="ignore backlog differences below this wait")
+    default_output_estimate: int = Field(256, ge=1, description="expected output before any request without max_tokens has finished")
+
+
+class LimitsConfig(StrictModel):
+    max_body_bytes: int = Field(1_000_000, ge=1024)
+    max_prompt_tokens: int | None = Field(None, ge=1, description="default: the smallest max_model_len of the pools")
+    requests_per_minute: int | None = Field(None, ge=1)
+    prompt_tokens_per_minute: int | None = Field(None, ge=1)
+    output_tokens_per_minute: int | None = Field(None, ge=1)
+
+
+class PlatformConfig(StrictModel):
+    model: str = "swiftkv"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    pools: dict[str, PoolConfig]
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    api_keys_file: str | None = Field(None, description="file of API keys (one per line, plain or sha256:<hex>)")
+    ray_address: str | None = Field(None, description="Ray cluster to join; default: start a local one")
+
+    @model_validator(mode="after")
+    def _pools(self) -> "PlatformConfig":
+        if not self.pools:
+            raise ValueError("at least one pool is needed")
+        unknown = set(self.pools) - {"prefill", "decode"}
+        if unknown:
+            raise ValueError(f"pool names must be 'prefill' and/or 'decode', got {sorted(unknown)}")
+        names = [self.served_name(p) for p in self.pools] + [self.model]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be distinct: {names}")
+        return self
+
+    def served_name(self, pool: str) -> str:
+        return self.pools[pool].served_model_name or f"{self.model}-{pool}"
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PlatformConfig:
+    """Read the YAML at `path` (or the embedded default) and apply top-level overrides (e.g. host, port)."""
+    text = DEFAULT_CONFIG if path is None else Path(path).read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config must be a YAML mapping")
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            data[key] = value
+    return PlatformConfig.model_validate(data)

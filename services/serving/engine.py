@@ -1,0 +1,198 @@
+"""One vLLM `AsyncLLM` engine behind the Backend interface: used in-process by the gateway and inside
+each Ray Serve replica.
+
+The engine gets token ids (the gateway already applied the chat template and counted them) and streams
+deltas. Leaving the output iteration early (client gone, task cancelled) aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from .backend import BackendError, BadRequest, ChoiceDelta, GenerateRequest, Load, Output, SamplingOptions, TokenLogprob
+
+log = logging.getLogger("swiftkv.engine")
+
+WARMUP_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+class EngineMetrics:
+    """vLLM registers its `vllm:` metrics in the global registry and unregisters any earlier ones when a
+    second engine starts in the same process. We move each engine's collectors into its own registry
+    right after it starts and expose the union from one collector (samples differ by `model_name`)."""
+
+    def __init__(self) -> None:
+        self.registries: list[CollectorRegistry] = []
+        REGISTRY.register(self)
+
+    def adopt_vllm_collectors(self) -> None:
+        own = CollectorRegistry(auto_describe=False)
+        for collector in list(REGISTRY._collector_to_names):
+            if getattr(collector, "_name", "").startswith("vllm:"):
+                REGISTRY.unregister(collector)
+                own.register(collector)
+        self.registries.append(own)
+
+    def describe(self):  # no fixed names: never conflicts with other collectors
+        return []
+
+    def collect(self):
+        families: dict[str, Any] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        return list(families.values())
+
+
+_engine_metrics: EngineMetrics | None = None
+
+
+def engine_metrics() -> EngineMetrics:
+    global _engine_metrics
+    if _engine_metrics is None:
+        _engine_metrics = EngineMetrics()
+    return _engine_metrics
+
+
+def to_sampling_params(options: SamplingOptions):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=options.n,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        seed=options.seed,
+        stop=options.stop or None,
+        max_tokens=options.max_tokens,
+        logprobs=options.logprobs,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        ignore_eos=options.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _logprobs(token_ids, entries, k: int) -> list[TokenLogprob]:
+    result = []
+    for token_id, entry in zip(token_ids, entries):
+        chosen = entry[token_id]
+        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)
+        result.append(
+            TokenLogprob(
+                token=chosen.decoded_token or "",
+                logprob=float(chosen.logprob),
+                top=[(lp.decoded_token or "", float(lp.logprob)) for lp in top],
+            )
+        )
+    return result
+
+
+class VLLMEngine:
+    """Owns one AsyncLLM. `start()` builds it (off the event loop) and runs a warm-up generation."""
+
+    def __init__(self, name: str, model: str, served_model_name: str, engine_args: dict[str, Any], warmup: bool = True,
+                 stat_loggers: list | None = None):
+        self.name = name
+        self.stat_loggers = stat_loggers
+        self.model = model
+        self.served_model_name = served_model_name
+        self.engine_args = dict(engine_args)
+        self.warmup = warmup
+        self.llm = None
+        self.ready = False
+        self._running = 0
+        self._queued_tokens = 0
+
+    def _build(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(model=self.model, served_model_name=[self.served_model_name], **self.engine_args)
+        return AsyncLLM.from_engine_args(args, stat_loggers=self.stat_loggers)
+
+    async def start(self, adopt_metrics: bool = False) -> None:
+        t0 = time.perf_counter()
+        self.llm = await asyncio.to_thread(self._build)
+        if adopt_metrics:
+            engine_metrics().adopt_vllm_collectors()
+        if self.warmup:
+            request = GenerateRequest(f"warmup-{self.name}", WARMUP_PROMPT, SamplingOptions(max_tokens=2))
+            async for _ in self.generate(request):
+                pass
+        self.ready = True
+        log.info("pool %s: engine for %s ready in %.1fs", self.name, self.model, time.perf_counter() - t0)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
+        from vllm.exceptions import VLLMClientError
+
+        if self.llm is None:
+            raise BackendError(f"pool {self.name}: engine not started")
+        params = to_sampling_params(request.sampling)
+        prompt = {"prompt_token_ids": request.prompt_token_ids}
+        self._running += 1
+        self._queued_tokens += len(request.prompt_token_ids)
+        prefilled = False
+        try:
+            async for out in self.llm.generate(prompt, params, request.request_id):
+                queue_seconds = None
+                if not prefilled:
+                    prefilled = True
+                    self._queued_tokens -= len(request.prompt_token_ids)
+                    stats = getattr(out, "metrics", None)
+                    if stats is not None and getattr(stats, "scheduled_ts", 0) and getattr(stats, "queued_ts", 0):
+                        queue_seconds = max(0.0, stats.scheduled_ts - stats.queued_ts)
+                choices = []
+                for c in out.outputs:
+                    if not c.token_ids and c.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if request.sampling.logprobs is not None and c.logprobs is not None:
+                        logprobs = _logprobs(c.token_ids, c.logprobs, request.sampling.logprobs)
+                    choices.append(ChoiceDelta(c.index, c.text, len(c.token_ids), c.finish_reason, logprobs))
+                yield Output(choices, queue_seconds)
+        except VLLMClientError as e:
+            raise BadRequest(str(e)) from e
+        except ValueError as e:  # vLLM validates sampling parameters and prompt length with ValueError
+            raise BadRequest(str(e)) from e
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as e:
+            raise BackendError(f"pool {self.name}: {type(e).__name__}: {e}") from e
+        finally:
+            self._running -= 1
+            if not prefilled:
+                self._queued_tokens -= len(request.prompt_token_ids)
+
+    async def health(self) -> bool:
+        if self.llm is None or not self.ready:
+            return False
+        try:
+            await self.llm.check_health()
+            return True
+        except Exception:
+            return False
+
+    def load(self) -> Load:
+        return Load(running=self._running, queued_prompt_tokens=self._queued_tokens)
+
+    async def stop(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+        self.ready = False
+
+
+class InProcessBackend(VLLMEngine):
+    """The gateway's own engine (no Ray): `swiftkv serve --engine inprocess`."""
+
+    async def start(self) -> None:  # type: ignore[override]
+        await super().start(adopt_metrics=True)
