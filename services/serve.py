@@ -71,11 +71,13 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
                    % (cfg.host, cfg.port, key_hint, cfg.model))
 
     app = create_app(Gateway(cfg, backends, prompter, keys, on_ready=on_ready))
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-    if engine == "ray":
-        from ray import serve
+    try:
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    finally:
+        if engine == "ray":
+            from services.serving.ray_backend import stop_ray
 
-        serve.shutdown()
+            stop_ray(started_local_cluster=not cfg.ray_address)
 
 
 def serve_command(

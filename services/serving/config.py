@@ -47,7 +47,8 @@ class Replicas(StrictModel):
     max_ongoing_requests: int = Field(32, ge=1)
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(120.0, ge=0)
-    num_cpus: float = Field(1.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0, description="Ray resources per replica")
+    num_gpus: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _order(self) -> "Replicas":

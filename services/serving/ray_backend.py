@@ -56,7 +56,7 @@ def build_deployment(pool: str, cfg: PoolConfig, served_model_name: str):
             "upscale_delay_s": r.upscale_delay_s,
             "downscale_delay_s": r.downscale_delay_s,
         },
-        ray_actor_options={"num_cpus": r.num_cpus},
+        ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
     ).bind(pool, cfg.model, served_model_name, cfg.engine_args, cfg.warmup)
 
 
@@ -115,8 +115,8 @@ class RayBackend:
         return Load(running=self._running, queued_prompt_tokens=self._queued_tokens)
 
     async def stop(self) -> None:
-        try:
-            await asyncio.to_thread(serve.delete, self.app_name)
+        try:  # do not wait here: replicas drain on their own, and stop_ray() ends a cluster we started
+            await asyncio.wait_for(asyncio.to_thread(serve.delete, self.app_name, _blocking=False), 10)
         except Exception:
             pass
 
@@ -133,3 +133,14 @@ def start_ray(address: str | None, metrics_port: int | None = None) -> None:
             kwargs["_metrics_export_port"] = metrics_port
         ray.init(**kwargs)
     serve.start(proxy_location="Disabled")
+
+
+def stop_ray(started_local_cluster: bool) -> None:
+    """Shut Serve down and, when we started the local cluster, Ray with it (engines end with their replicas)."""
+    import ray
+
+    if started_local_cluster:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
