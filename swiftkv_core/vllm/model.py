@@ -368,3 +368,16 @@ class LlamaSwiftKVForCausalLM(nn.Module):
                 loader(param, tensor, shard)
             loaded.add(param_name)
         return loaded
+
+
+def describe(model: nn.Module) -> dict:
+    """What an engine actually loaded (for diagnostics and tests; run it with `LLM.apply_model`)."""
+    layers = model.model.layers
+    first_later = getattr(model.model, "num_kv_layers", len(layers))
+    return {
+        "class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "later_layer_attention_params": sorted(
+            name for i in range(first_later, len(layers)) for name, _ in layers[i].self_attn.named_parameters()
+        ),
+        "kv_cache_tensors": len({layer.self_attn.attn.kv_cache.data_ptr() for layer in layers}),
+    }
