@@ -155,9 +155,9 @@ class Gateway:
                       reserved: int, estimate_output: bool) -> AsyncIterator[Output]:
         """The backend's stream with the gateway's bookkeeping: metrics, backlog, estimates, limits."""
         prompt_tokens = len(request.prompt_token_ids)
-        labels = (pool.name, model)
-        metrics.in_flight.labels(pool.name).inc()
-        metrics.prompt_tokens.labels(*labels).inc(prompt_tokens)
+        m = metrics.for_pool(pool.name, model)
+        m.in_flight.inc()
+        m.prompt_tokens.inc(prompt_tokens)
         pool.dispatched(prompt_tokens)
         first_at = None
         generated = 0
@@ -169,9 +169,9 @@ class Gateway:
                     if first_at is None and n:
                         first_at = time.perf_counter()
                         pool.first_token(prompt_tokens, first_at - t0)
-                        metrics.ttft.labels(*labels).observe(first_at - t0)
+                        m.ttft.observe(first_at - t0)
                     if out.queue_seconds is not None:
-                        metrics.queue.labels(*labels).observe(out.queue_seconds)
+                        m.queue.observe(out.queue_seconds)
                     generated += n
                     yield out
             status = "ok"
@@ -182,13 +182,13 @@ class Gateway:
             end = time.perf_counter()
             if first_at is None:
                 pool.first_token(prompt_tokens, 0.0)
-            metrics.in_flight.labels(pool.name).dec()
-            metrics.requests.labels(*labels, status).inc()
-            metrics.generation_tokens.labels(*labels).inc(generated)
-            metrics.e2e.labels(*labels).observe(end - t0)
+            m.in_flight.dec()
+            m.requests[status].inc()
+            m.generation_tokens.inc(generated)
+            m.e2e.observe(end - t0)
             per_choice = generated / max(request.sampling.n, 1)
             if first_at is not None and per_choice > 1:
-                metrics.tpot.labels(*labels).observe((end - first_at) / (per_choice - 1))
+                m.tpot.observe((end - first_at) / (per_choice - 1))
             if status == "ok" and estimate_output:
                 self.output_estimate.update(per_choice)
             self.limiter.settle(identity, reserved, generated)
@@ -233,7 +233,7 @@ class Gateway:
             metrics.rejections.labels(REJECTION_REASONS.get(e.code or "", "invalid_request")).inc()
             return e.response()
         metrics.route_decisions.labels(decision.pool, decision.reason).inc()
-        metrics.overhead.labels(decision.pool).observe(time.perf_counter() - t0)
+        metrics.for_pool(decision.pool, req.model).overhead.observe(time.perf_counter() - t0)
         pool = self.pools[decision.pool]
         stream = self.tracked(pool, req.model, gen, t0, identity, reserved, estimate)
         headers = {"x-swiftkv-route": decision.header(), "x-request-id": gen.request_id}
@@ -446,12 +446,15 @@ def create_app(gateway: Gateway) -> FastAPI:
                 for name, pool in gateway.models.items()]
         return {"object": "list", "data": data}
 
-    @app.post("/v1/chat/completions")
+    # The two hot routes are plain Starlette endpoints: they parse their own bodies (to answer with
+    # OpenAI's envelope), so FastAPI's dependency and body machinery would only add latency.
     async def chat(request: Request):
         return await gateway.handle(request, "chat")
 
-    @app.post("/v1/completions")
     async def completions(request: Request):
         return await gateway.handle(request, "completion")
+
+    app.router.add_route("/v1/chat/completions", chat, methods=["POST"])
+    app.router.add_route("/v1/completions", completions, methods=["POST"])
 
     return app

@@ -32,3 +32,29 @@ rejections = Counter("swiftkv_requests_rejected", "Requests refused before reach
 pool_ready = Gauge("swiftkv_pool_ready", "1 when the pool is warmed up and healthy", ("pool",))
 pool_backlog = Gauge("swiftkv_pool_backlog_tokens", "Prompt tokens dispatched to the pool and not yet prefilled", ("pool",))
 pool_prefill_rate = Gauge("swiftkv_pool_prefill_rate_tokens_per_second", "Measured prefill rate (moving average)", ("pool",))
+
+
+class PoolMetrics:
+    """The labelled children for one (pool, model), resolved once: `labels()` costs more than observing."""
+
+    def __init__(self, pool: str, model: str):
+        self.ttft = ttft.labels(pool, model)
+        self.tpot = tpot.labels(pool, model)
+        self.e2e = e2e.labels(pool, model)
+        self.queue = queue.labels(pool, model)
+        self.prompt_tokens = prompt_tokens.labels(pool, model)
+        self.generation_tokens = generation_tokens.labels(pool, model)
+        self.in_flight = in_flight.labels(pool)
+        self.overhead = overhead.labels(pool)
+        self.requests = {s: requests.labels(pool, model, s) for s in ("ok", "error", "client_disconnect")}
+
+
+_pool_metrics: dict[tuple[str, str], PoolMetrics] = {}
+
+
+def for_pool(pool: str, model: str) -> PoolMetrics:
+    """Model names are checked against the served ones before they get here: the set stays small."""
+    m = _pool_metrics.get((pool, model))
+    if m is None:
+        m = _pool_metrics[(pool, model)] = PoolMetrics(pool, model)
+    return m

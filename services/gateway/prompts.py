@@ -16,6 +16,14 @@ class Prompter:
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.vocab_size = len(self.tokenizer)
+        # The Rust tokenizer itself, when there is one: its single-text encode skips the wrapper's batching
+        # (a thread pool per call), which costs more than the tokenization of a short prompt.
+        self._fast = getattr(self.tokenizer, "_tokenizer", None)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def chat(self, req: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
@@ -23,7 +31,7 @@ class Prompter:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # the template rejects the conversation (roles out of order, ...)
             raise bad_request(f"the chat template rejected these messages: {e}", param="messages")
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False)
 
     def completion(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
@@ -34,7 +42,7 @@ class Prompter:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("prompt must not be empty", param="prompt")
-            return self.tokenizer.encode(prompt)
+            return self.encode(prompt, add_special_tokens=True)
         if not prompt:
             raise bad_request("prompt must not be empty", param="prompt")
         if any(t < 0 or t >= self.vocab_size for t in prompt):
