@@ -109,21 +109,19 @@ def demo_command(
     engine: Annotated[str, typer.Option(help="inprocess (default: fits small machines) or ray")] = "inprocess",
     port: Annotated[Optional[int], typer.Option(help="Override the port (default 8000)")] = None,
 ) -> None:
-    """Prepare SmolLM2 (and its SwiftKV version) offline, then serve them with the default config."""
+    """Prepare SmolLM2 and its SwiftKV version offline, then serve them with the default config."""
     from services.serving.config import load_config
 
     cfg = load_config(None, {"port": port})
-    for name, pool in cfg.pools.items():
-        if Path(pool.model).exists():
-            continue
-        model_name = Path(pool.model).name
-        path = _prepare(model_name)
-        if path is None:  # not preparable yet (e.g. no SwiftKV model): serve the base model in this pool
-            base = cfg.pools["decode"].model
-            typer.secho(f"pool {name}: {model_name} cannot be prepared here yet; serving {base} in its place", fg=typer.colors.YELLOW)
-            if not Path(base).exists():
-                _prepare(Path(base).name)
-            pool.model = base
+    decode = cfg.pools["decode"]
+    if not Path(decode.model).exists():
+        _prepare(Path(decode.model).name)
+    prefill = cfg.pools["prefill"]
+    if not Path(prefill.model).exists() and _prepare(Path(prefill.model).name) is None:
+        # No distilled SwiftKV model can be prepared here yet: serve an undistilled conversion (half the
+        # layers take their KV from the middle layer), as `swiftkv convert` would write it.
+        prefill.model = str(_undistilled(Path(decode.model), Path(prefill.model).name + "-undistilled"))
+        typer.secho(f"pool prefill: no distilled SwiftKV model yet; serving the undistilled {prefill.model}", fg=typer.colors.YELLOW)
     run_platform(cfg, engine)
 
 
@@ -134,6 +132,19 @@ def _prepare(model_name: str) -> Path | None:
         return None
     typer.echo(f"preparing {model_name} (offline, once)...")
     return models.prepare(model_name, Path(models.DEFAULT_MODELS_DIR))
+
+
+def _undistilled(base: Path, name: str) -> Path:
+    import json
+
+    from swiftkv_core.convert import convert
+
+    out = base.parent / name
+    if not (out / "config.json").exists():
+        layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
+        typer.echo(f"converting {base} to SwiftKV (l = {layers // 2} of {layers}) -> {out}")
+        convert(str(base), out, num_key_value_layers=layers // 2)
+    return out
 
 
 def register_serving_commands(app: typer.Typer) -> None:
