@@ -53,8 +53,9 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
         keys = KeyStore.from_env(api_keys_file or cfg.api_keys_file)
     except (OSError, ValueError) as e:
         _fail(f"API keys: {e}")
-    first = next(iter(cfg.pools.values()))
-    prompter = Prompter(first.tokenizer or first.model)
+    # Pools share one tokenizer (a SwiftKV model keeps its base model's); the base model's loads plainly.
+    pool = cfg.pools.get("decode") or next(iter(cfg.pools.values()))
+    prompter = Prompter(pool.tokenizer or pool.model)
     if engine == "ray":
         from services.serving.ray_backend import start_ray
 
@@ -101,6 +102,8 @@ def serve_command(
         cfg = load_config(config, {"host": host or settings.host, "port": port or settings.port})
     except (ValidationError, ValueError) as e:
         _fail(f"invalid config {config or '(default)'}: {e}")
+    if config is None:
+        default_models(cfg, prepare=False)
     _check_models(cfg)
     run_platform(cfg, engine, settings.log_level, api_keys_file or settings.api_keys_file, settings.ray_metrics_port)
 
@@ -113,16 +116,25 @@ def demo_command(
     from services.serving.config import load_config
 
     cfg = load_config(None, {"port": port})
-    decode = cfg.pools["decode"]
-    if not Path(decode.model).exists():
-        _prepare(Path(decode.model).name)
-    prefill = cfg.pools["prefill"]
-    if not Path(prefill.model).exists() and _prepare(Path(prefill.model).name) is None:
-        # No distilled SwiftKV model can be prepared here yet: serve an undistilled conversion (half the
-        # layers take their KV from the middle layer), as `swiftkv convert` would write it.
-        prefill.model = str(_undistilled(Path(decode.model), Path(prefill.model).name + "-undistilled"))
-        typer.secho(f"pool prefill: no distilled SwiftKV model yet; serving the undistilled {prefill.model}", fg=typer.colors.YELLOW)
+    default_models(cfg, prepare=True)
     run_platform(cfg, engine)
+
+
+def default_models(cfg, prepare: bool) -> None:
+    """The embedded default's models: prepared when asked. Until a distilled SwiftKV model can be prepared,
+    the prefill pool serves an undistilled conversion of the base model (half the layers take their KV
+    from the middle layer), as `swiftkv convert` writes it."""
+    decode, prefill = cfg.pools["decode"], cfg.pools["prefill"]
+    if prepare and not Path(decode.model).exists():
+        _prepare(Path(decode.model).name)
+    if Path(prefill.model).exists() or (prepare and _prepare(Path(prefill.model).name) is not None):
+        return
+    undistilled = Path(prefill.model).parent / (Path(prefill.model).name + "-undistilled")
+    if prepare and not (undistilled / "config.json").exists():
+        _convert_half(Path(decode.model), undistilled)
+    if (undistilled / "config.json").exists():
+        prefill.model = str(undistilled)
+        typer.secho(f"pool prefill: no distilled SwiftKV model yet; serving the undistilled {undistilled}", fg=typer.colors.YELLOW)
 
 
 def _prepare(model_name: str) -> Path | None:
@@ -134,17 +146,14 @@ def _prepare(model_name: str) -> Path | None:
     return models.prepare(model_name, Path(models.DEFAULT_MODELS_DIR))
 
 
-def _undistilled(base: Path, name: str) -> Path:
+def _convert_half(base: Path, out: Path) -> None:
     import json
 
     from swiftkv_core.convert import convert
 
-    out = base.parent / name
-    if not (out / "config.json").exists():
-        layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
-        typer.echo(f"converting {base} to SwiftKV (l = {layers // 2} of {layers}) -> {out}")
-        convert(str(base), out, num_key_value_layers=layers // 2)
-    return out
+    layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
+    typer.echo(f"converting {base} to SwiftKV (l = {layers // 2} of {layers}) -> {out}")
+    convert(str(base), out, num_key_value_layers=layers // 2)
 
 
 def register_serving_commands(app: typer.Typer) -> None:
