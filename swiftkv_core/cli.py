@@ -208,3 +208,6 @@ def register_core_commands(app: typer.Typer) -> None:
     app.add_typer(analyze_app, name="analyze")
     app.command("convert")(convert_command)
     app.add_typer(models_app, name="models")
+    from .vllm.bench import bench_app  # typer only; vLLM is imported when a benchmark runs
+
+    app.add_typer(bench_app, name="bench")
