@@ -60,9 +60,14 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
         from services.serving.ray_backend import start_ray
 
         start_ray(cfg.ray_address, ray_metrics_port)
-        typer.echo(f"Ray Serve up; engine metrics (ray_vllm:*) at http://127.0.0.1:{ray_metrics_port}/metrics"
-                   if not cfg.ray_address else "joined Ray cluster")
+        typer.echo(f"Ray Serve up; engine metrics at http://127.0.0.1:{ray_metrics_port}/metrics (as ray_vllm_*) and on "
+                   "the gateway's /metrics (as vllm:*)" if not cfg.ray_address else "joined Ray cluster")
     backends = build_backends(cfg, engine)
+    extra_metrics = None
+    if engine == "ray" and not cfg.ray_address:
+        from services.serving.ray_backend import engine_metrics
+
+        extra_metrics = lambda: engine_metrics(ray_metrics_port)  # noqa: E731
     key_hint = ' -H "Authorization: Bearer $SWIFTKV_API_KEY"' if keys.enabled else ""
 
     def on_ready() -> None:
@@ -71,7 +76,7 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
                    "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'"
                    % (cfg.host, cfg.port, key_hint, cfg.model))
 
-    app = create_app(Gateway(cfg, backends, prompter, keys, on_ready=on_ready))
+    app = create_app(Gateway(cfg, backends, prompter, keys, on_ready=on_ready, extra_metrics=extra_metrics))
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     finally:

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.serving.backend import GenerateRequest, SamplingOptions
 from services.serving.remote import RemoteBackend
@@ -325,6 +326,9 @@ def test_metrics_after_traffic(server, client):
     assert metric(m, "swiftkv_requests_rejected_total", reason="unknown_model") >= 1
     assert metric(m, "swiftkv_requests_rejected_total", reason="auth") >= 1
     assert metric(m, "swiftkv_gateway_overhead_seconds_count", pool="decode") >= 1
+    text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    names = {f.name for f in text_string_to_metric_families(text)}  # one valid page: engines merged, no duplicates
+    assert {"vllm:time_to_first_token_seconds", "vllm:num_requests_running", "swiftkv_route_decisions"} <= names
 
 
 def test_client_disconnect_aborts_the_engine_request(server):

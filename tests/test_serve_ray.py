@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -72,6 +73,18 @@ def test_ray_serve_pool_serves_after_warmup(tiny_base, tmp_path):
             assert time.time() < deadline, "no ray_vllm_ metrics exported"
             time.sleep(2)
         assert 'model_name="tiny-decode"' in text
+        # ... and on the gateway's /metrics under vLLM's own names, as stock dashboards expect
+        deadline = time.time() + 60
+        while True:
+            gw = _get(f"{base}/metrics")
+            ttft = [l for l in gw.splitlines() if l.startswith("vllm:time_to_first_token_seconds_count{")]
+            if ttft and float(ttft[0].rsplit(" ", 1)[1]) >= 2:
+                break
+            assert time.time() < deadline, "engine metrics missing on the gateway"
+            time.sleep(2)
+        assert 'model_name="tiny-decode"' in ttft[0] and "replica=" in ttft[0] and "SessionName" not in gw
+        names = {f.name for f in text_string_to_metric_families(gw)}  # the whole page parses as Prometheus text
+        assert {"vllm:time_to_first_token_seconds", "swiftkv_time_to_first_token_seconds"} <= names
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -13,7 +13,7 @@ import secrets
 import time
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -54,8 +54,9 @@ class Gateway:
     """Holds the pools and everything a request needs; the FastAPI app is a thin shell around it."""
 
     def __init__(self, cfg: PlatformConfig, backends: dict[str, Backend], prompter: Prompter, keys: KeyStore,
-                 on_ready: Callable[[], None] | None = None):
+                 on_ready: Callable[[], None] | None = None, extra_metrics: Callable[[], Awaitable[str]] | None = None):
         self.cfg = cfg
+        self.extra_metrics = extra_metrics  # engine metrics living elsewhere (Ray's metrics agent)
         self.prompter = prompter
         self.keys = keys
         self.on_ready = on_ready
@@ -436,7 +437,10 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.get("/metrics")
     async def prometheus(request: Request):
         gateway.keys.identify(request.headers.get("authorization"))
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        body = generate_latest(REGISTRY)
+        if gateway.extra_metrics is not None:
+            body += (await gateway.extra_metrics()).encode()
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -9,6 +9,7 @@ agent (vLLM's names with the `ray_` prefix, e.g. `ray_vllm:time_to_first_token_s
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -119,6 +120,31 @@ class RayBackend:
             await asyncio.wait_for(asyncio.to_thread(serve.delete, self.app_name, _blocking=False), 10)
         except Exception:
             pass
+
+
+_RAY_LABELS = re.compile(r'(Component|NodeAddress|SessionName|Version|WorkerId|otel_scope_\w+)="[^"]*",?')
+
+
+async def engine_metrics(port: int) -> str:
+    """The replicas' vLLM metrics from Ray's metrics endpoint, under vLLM's own names again (Ray exports
+    `vllm:x` as `ray_vllm_x`), so stock vLLM dashboards work against the gateway's /metrics. Ray's
+    bookkeeping labels are dropped except the replica id."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+    except httpx.HTTPError:
+        return ""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(("# HELP ray_vllm_", "# TYPE ray_vllm_")):
+            out.append(line.replace(" ray_vllm_", " vllm:", 1))
+        elif line.startswith("ray_vllm_"):
+            line = "vllm:" + line[len("ray_vllm_"):]
+            line = _RAY_LABELS.sub("", line).replace(",}", "}").replace('ReplicaId="', 'replica="')
+            out.append(line)
+    return "\n".join(out) + "\n" if out else ""
 
 
 def start_ray(address: str | None, metrics_port: int | None = None) -> None:
