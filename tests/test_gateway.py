@@ -238,7 +238,7 @@ def test_bad_fields_are_400_naming_the_field(client):
 def test_prompt_too_long_says_the_limit(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=PUBLIC, prompt=[5] * (MAX_MODEL_LEN + 10), max_tokens=2)
-    assert e.value.body["code"] == "context_length_exceeded"
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
     assert str(MAX_MODEL_LEN - 1) in e.value.body["message"] and str(MAX_MODEL_LEN + 10) in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=PUBLIC, prompt="hello", max_tokens=MAX_MODEL_LEN)

@@ -99,7 +99,10 @@ class Gateway:
             await asyncio.sleep(period)
             for name in started:
                 pool = self.pools[name]
-                pool.ready = await pool.backend.health()
+                try:
+                    pool.ready = await asyncio.wait_for(pool.backend.health(), timeout=period)
+                except Exception:  # a hung or failing health check means the pool is down, not the gateway
+                    pool.ready = False
                 metrics.pool_ready.labels(name).set(int(pool.ready))
 
     async def stop(self) -> None:
@@ -137,14 +140,18 @@ class Gateway:
                            param="model", code="model_not_found")
         return self.models[name]
 
-    def output_tokens(self, prompt_tokens: int, requested: int | None) -> int:
+    def output_tokens(self, prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
         """max_tokens for the engine: what the client asked for, or what fits in the context."""
         if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
             raise APIError(400, f"the prompt has {prompt_tokens} tokens; the limit is {self.max_prompt_tokens} tokens",
-                           param="messages", code="context_length_exceeded")
+                           param=prompt_param, code="context_length_exceeded")
         if self.max_model_len is None:
             return requested or self.cfg.routing.default_output_estimate
         room = self.max_model_len - prompt_tokens
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_tokens} tokens and leaves no room to answer in this model's "
+                                f"maximum context length of {self.max_model_len} tokens", param=prompt_param,
+                           code="context_length_exceeded")
         if requested is not None and requested > room:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens: the prompt has "
                                 f"{prompt_tokens} and max_tokens asks for {requested}", param="max_tokens",
@@ -211,7 +218,7 @@ class Gateway:
             pinned = self.resolve_model(req.model)
             prompt_ids = self.prompter.completion(req)
         requested = req.output_limit()
-        max_tokens = self.output_tokens(len(prompt_ids), requested)
+        max_tokens = self.output_tokens(len(prompt_ids), requested, "messages" if kind == "chat" else "prompt")
         expected = requested or max(1, min(max_tokens, round(self.output_estimate.value)))
         self.limiter.acquire(identity, len(prompt_ids), expected * req.n)
         try:
