@@ -186,6 +186,11 @@ class Gateway:
         except (asyncio.CancelledError, GeneratorExit):
             status = "client_disconnect"
             raise
+        except BackendError:
+            # The pool failed: route around it now; the health watcher brings it back once it answers.
+            pool.ready = False
+            metrics.pool_ready.labels(pool.name).set(0)
+            raise
         finally:
             end = time.perf_counter()
             if first_at is None:
