@@ -362,6 +362,9 @@ def distill(cfg: DistillConfig) -> Path:
 
         bar = tqdm(total=cfg.max_steps, initial=step, desc=f"distill l={cfg.num_key_value_layers} g={cfg.key_value_group_size}", unit="step", dynamic_ncols=True)
     metrics = open(metrics_path, "a")
+    if step == 0 and eval_data is not None and cfg.eval_every:
+        metrics.write(json.dumps({"step": 0, "tokens": 0, **quick_eval(model, teacher_upper, eval_data, cfg.eval_rows, cfg.bf16)}) + "\n")
+        metrics.flush()
     model.train()
     t_run = time.perf_counter()
     while step < cfg.max_steps:
@@ -435,3 +438,61 @@ def write_checkpoint(model: LlamaSwiftKVForCausalLM, base: str | Path, out: Path
     tensors = {n: params[n].detach().contiguous() for n in names}
     (out / "trained").mkdir(exist_ok=True)
     save_file(tensors, out / "trained" / TRAINED_FILE, metadata={"format": "pt"})
+
+
+# --------------------------------------------------------------------------------------------------
+# Shipped trained tensors -> full checkpoint (the default model of the platform)
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+DEFAULT_SWIFTKV_NAME = "smollm2-135m-instruct-swiftkv"
+
+
+def export_trained(run_dir: str | Path, dest: str | Path, recipe: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Copy a run's trained tensors to `dest` (.safetensors, stored in `dtype`) with a recipe .json beside it."""
+    from safetensors.torch import load_file, save_file
+
+    run_dir, dest = Path(run_dir), Path(dest)
+    tensors = load_file(run_dir / "trained" / TRAINED_FILE)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    meta = {"num_key_value_layers": str(cfg["num_key_value_layers"]), "key_value_group_size": str(cfg["key_value_group_size"])}
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, dest, metadata={"format": "pt", **meta})
+    if recipe is not None:
+        dest.with_suffix(".json").write_text(json.dumps(recipe, indent=2) + "\n")
+    return dest
+
+
+def assemble_from_trained(base_dir: str | Path, tensors_path: str | Path, out_dir: str | Path) -> Path:
+    """A complete Snowflake-format SwiftKV checkpoint from a base model plus shipped trained tensors.
+
+    `convert` writes the undistilled checkpoint (base shards copied, SwiftKV tensors initialised), then the
+    SwiftKV shard is replaced by the trained tensors (stored in bf16, written in the base's dtype).
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from .convert import SWIFTKV_SHARD, convert
+
+    tensors_path = Path(tensors_path)
+    if not tensors_path.exists():
+        raise DistillError(f"trained tensors {tensors_path} are missing")
+    with safe_open(tensors_path, "pt") as f:
+        meta = f.metadata() or {}
+        trained = {k: f.get_tensor(k) for k in f.keys()}
+    if "num_key_value_layers" not in meta:
+        raise DistillError(f"{tensors_path} has no num_key_value_layers in its metadata")
+    out = convert(str(base_dir), out_dir, int(meta["num_key_value_layers"]), int(meta.get("key_value_group_size", 1)))
+    with safe_open(out / SWIFTKV_SHARD, "pt") as f:
+        init = {k: f.get_tensor(k) for k in f.keys()}
+    if set(trained) != set(init):
+        raise DistillError(f"{tensors_path} does not match the SwiftKV layout: {sorted(set(trained) ^ set(init))[:4]}")
+    save_file({k: trained[k].to(init[k].dtype).contiguous() for k in init}, out / SWIFTKV_SHARD, metadata={"format": "pt"})
+    return out
+
+
+def build_default_swiftkv(out_dir: Path, models_dir: Path) -> None:
+    """models.py builder for `smollm2-135m-instruct-swiftkv`: base model (prepared if needed) + shipped tensors."""
+    from .models import prepare
+
+    base = prepare("smollm2-135m-instruct", models_dir)
+    assemble_from_trained(base, WEIGHTS_DIR / f"{DEFAULT_SWIFTKV_NAME}.safetensors", out_dir)

