@@ -261,6 +261,7 @@ def distill_command(
     eval_data: Annotated[Path | None, typer.Option(help="Held-out text for periodic top-1/KL checks")] = None,
     eval_every: Annotated[int, typer.Option(help="Evaluate every N steps (0 = never)")] = 0,
     threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
+    finalize: Annotated[bool, typer.Option("--finalize", help="Stop early: write the checkpoint from OUT's last saved state")] = False,
 ) -> None:
     """Distill a SwiftKV model from its base (resumes if OUT holds an unfinished run)."""
     from .config import SwiftKVConfigError
@@ -274,6 +275,10 @@ def distill_command(
         seq_len=seq_len, assistant_only=not all_tokens, bf16=bf16, seed=seed, checkpoint_every=checkpoint_every,
         eval_data=str(eval_data) if eval_data else None, eval_every=eval_every, threads=threads,
     )
+    if finalize:
+        if not (out / "state.pt").exists():
+            fail(f"--finalize needs a saved state in {out}/state.pt")
+        cfg.extra["finalize"] = True
     try:
         path = distill(cfg)
     except (SwiftKVConfigError, DistillError, DataError) as e:

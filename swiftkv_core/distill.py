@@ -328,7 +328,7 @@ def distill(cfg: DistillConfig) -> Path:
     _check_resume(out, cfg)
     (out / "run.json").write_text(json.dumps(asdict(cfg), indent=2))
 
-    if cfg.init == "lstsq":
+    if cfg.init == "lstsq" and not (out / STATE_FILE).exists():  # a resumed run loads its tensors instead
         lstsq_init(model, data, cfg.init_tokens)
     trainable = trainable_parameters(model, cfg.train_scope)
     # With full-layers the later layers change, so the teacher needs its own frozen copy of them.
@@ -362,12 +362,12 @@ def distill(cfg: DistillConfig) -> Path:
 
         bar = tqdm(total=cfg.max_steps, initial=step, desc=f"distill l={cfg.num_key_value_layers} g={cfg.key_value_group_size}", unit="step", dynamic_ncols=True)
     metrics = open(metrics_path, "a")
-    if step == 0 and eval_data is not None and cfg.eval_every:
+    if step == 0 and eval_data is not None and cfg.eval_every and not cfg.extra.get("finalize"):
         metrics.write(json.dumps({"step": 0, "tokens": 0, **quick_eval(model, teacher_upper, eval_data, cfg.eval_rows, cfg.bf16)}) + "\n")
         metrics.flush()
     model.train()
     t_run = time.perf_counter()
-    while step < cfg.max_steps:
+    while step < cfg.max_steps and not cfg.extra.get("finalize"):
         t0 = time.perf_counter()
         idx = batch_indices(step, len(data), cfg.batch_size, cfg.seed)
         ids, target = data.ids[idx], data.target[idx]
@@ -400,12 +400,13 @@ def distill(cfg: DistillConfig) -> Path:
     if bar is not None:
         bar.close()
     metrics.close()
-    if step < cfg.max_steps:
+    if step < cfg.max_steps and not cfg.extra.get("finalize"):
         return out
     model.eval()
     write_checkpoint(model, cfg.base, out, trainable)
     summary = {
         "steps": step,
+        "max_steps": cfg.max_steps,
         "tokens": tokens,
         "train_seconds": round(elapsed, 1),
         "wall_seconds_this_session": round(time.perf_counter() - t_run, 1),

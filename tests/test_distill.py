@@ -198,3 +198,15 @@ def test_shipped_tensors_rebuild_the_trained_checkpoint(tiny_base, train_text, t
     assert (la - lb).abs().max().item() < 0.05 * la.abs().max().item()
     with pytest.raises(DistillError, match="missing"):
         assemble_from_trained(tiny_base, tmp_path / "nope.safetensors", tmp_path / "x")
+
+
+def test_finalize_writes_the_checkpoint_of_a_stopped_run(tiny_base, train_text, tmp_path):
+    stopped = _cfg(tiny_base, tmp_path / "run", train_text)
+    stopped.extra["stop_after"] = 3
+    distill(stopped)
+    assert not (tmp_path / "run" / "config.json").exists()
+    final = _cfg(tiny_base, tmp_path / "run", train_text)
+    final.extra["finalize"] = True
+    out = distill(final)
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+    assert load_model(str(out)).config.num_key_value_layers == 4
