@@ -1,7 +1,8 @@
 """Gateway overhead: what the gateway adds on top of a trivially fast backend.
 
-Two servers run side by side on the same HTTP stack (uvicorn, one process each):
+Three servers run side by side on the same HTTP stack (uvicorn, one process each):
   baseline  a bare ASGI app answering every POST with a canned chat completion (no logic at all);
+  shell     the gateway's framework (FastAPI, one route reading the body) answering the same;
   gateway   the real SwiftKV gateway (validation, auth, chat template + tokenization, rate limits,
             routing, metrics), whose two pools are an in-process backend that answers instantly.
 A client in a third process measures
@@ -87,6 +88,23 @@ def serve_gateway(port: int, tokenizer_dir: str) -> None:
     keys = KeyStore({})
     gateway = Gateway(cfg, {p: InstantBackend(p) for p in cfg.pools}, Prompter(tokenizer_dir), keys)
     uvicorn.run(create_app(gateway), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def serve_shell(port: int) -> None:
+    """The gateway's framework without its logic: a FastAPI app whose route reads the body and answers."""
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from starlette.responses import Response
+
+    body = json.dumps(CANNED).encode()
+    app = FastAPI()
+
+    async def endpoint(request: Request) -> Response:
+        await request.body()
+        return Response(body, media_type="application/json")
+
+    app.router.add_route("/v1/chat/completions", endpoint, methods=["POST"])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 def serve_baseline(port: int) -> None:
@@ -175,15 +193,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure(args, gw_port: int, base_port: int, gw_pid: int, base_pid: int) -> dict:
+async def throughput(session, url: str, pid: int, seconds: float, concurrency: int) -> tuple[float, float, dict]:
+    """Requests/s at saturation and the server's CPU time per request."""
+    c0 = cpu_seconds(pid)
+    rps, routes = await saturate(session, url, seconds, concurrency)
+    return rps, (cpu_seconds(pid) - c0) / (rps * seconds), routes
+
+
+async def measure(args, gw_port: int, base_port: int, shell_port: int, gw_pid: int, base_pid: int, shell_pid: int) -> dict:
     import aiohttp
 
     gw = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
     base = f"http://127.0.0.1:{base_port}/v1/chat/completions"
+    shell = f"http://127.0.0.1:{shell_port}/v1/chat/completions"
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
         await wait_up(session, gw)
         await wait_up(session, base)
+        await wait_up(session, shell)
         for url in (gw, base):  # warm both (chat template compile, connection pool)
             await sequential(session, url, SHORT, 200)
         g, b, gh, bh = [], [], [], []
@@ -195,12 +222,9 @@ async def measure(args, gw_port: int, base_port: int, gw_pid: int, base_pid: int
         for _ in range(2):
             gh += await sequential(session, gw, HUGE, 250)
             bh += await sequential(session, base, HUGE, 250)
-        c0 = cpu_seconds(gw_pid)
-        rps, routes = await saturate(session, gw, args.seconds, args.concurrency)
-        gw_cpu_per_req = (cpu_seconds(gw_pid) - c0) / (rps * args.seconds)
-        c0 = cpu_seconds(base_pid)
-        base_rps, _ = await saturate(session, base, min(args.seconds, 5), args.concurrency)
-        base_cpu_per_req = (cpu_seconds(base_pid) - c0) / (base_rps * min(args.seconds, 5))
+        rps, gw_cpu_per_req, routes = await throughput(session, gw, gw_pid, args.seconds, args.concurrency)
+        base_rps, base_cpu_per_req, _ = await throughput(session, base, base_pid, min(args.seconds, 5), args.concurrency)
+        shell_rps, shell_cpu_per_req, _ = await throughput(session, shell, shell_pid, min(args.seconds, 5), args.concurrency)
     return {
         "requests_each": len(g),
         "baseline_p50_ms": pct(b, 0.5) * 1e3, "baseline_p99_ms": pct(b, 0.99) * 1e3,
@@ -209,6 +233,7 @@ async def measure(args, gw_port: int, base_port: int, gw_pid: int, base_pid: int
         "added_mean_ms": (statistics.mean(g) - statistics.mean(b)) * 1e3,
         "added_p50_ms_500_token_prompt": (pct(gh, 0.5) - pct(bh, 0.5)) * 1e3,
         "gateway_max_rps": rps, "baseline_max_rps": base_rps, "routes": routes, "concurrency": args.concurrency,
+        "fastapi_shell_max_rps": shell_rps, "fastapi_shell_cpu_us_per_request": shell_cpu_per_req * 1e6,
         "gateway_cpu_us_per_request": gw_cpu_per_req * 1e6, "baseline_cpu_us_per_request": base_cpu_per_req * 1e6,
         "gateway_rps_per_busy_core": 1 / gw_cpu_per_req,
     }
@@ -220,7 +245,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10, help="duration of the throughput run")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--json", type=Path, help="also write the results here")
-    ap.add_argument("--_serve", choices=["gateway", "baseline"], help=argparse.SUPPRESS)
+    ap.add_argument("--_serve", choices=["gateway", "baseline", "shell"], help=argparse.SUPPRESS)
     ap.add_argument("--_port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--_tokenizer", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -228,19 +253,22 @@ def main() -> None:
         return serve_gateway(args._port, args._tokenizer)
     if args._serve == "baseline":
         return serve_baseline(args._port)
+    if args._serve == "shell":
+        return serve_shell(args._port)
 
     from swiftkv_core.tiny import train_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         train_tokenizer().save_pretrained(tmp)
-        gw_port, base_port = free_port(), free_port()
+        gw_port, base_port, shell_port = free_port(), free_port(), free_port()
         me = [sys.executable, __file__]
         procs = [
             subprocess.Popen(me + ["--_serve", "gateway", "--_port", str(gw_port), "--_tokenizer", tmp]),
             subprocess.Popen(me + ["--_serve", "baseline", "--_port", str(base_port)]),
+            subprocess.Popen(me + ["--_serve", "shell", "--_port", str(shell_port)]),
         ]
         try:
-            result = asyncio.run(measure(args, gw_port, base_port, procs[0].pid, procs[1].pid))
+            result = asyncio.run(measure(args, gw_port, base_port, shell_port, *(p.pid for p in procs)))
         finally:
             for p in procs:
                 p.terminate()

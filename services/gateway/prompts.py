@@ -19,6 +19,23 @@ class Prompter:
         # The Rust tokenizer itself, when there is one: its single-text encode skips the wrapper's batching
         # (a thread pool per call), which costs more than the tokenization of a short prompt.
         self._fast = getattr(self.tokenizer, "_tokenizer", None)
+        # apply_chat_template rebuilds the special-token map on every call (slower than rendering the
+        # template): render with the same transformers function and a map built once.
+        self._chat_template = self.tokenizer.get_chat_template() if self.tokenizer.chat_template else None
+        self._template_kwargs = dict(self.tokenizer.special_tokens_map)
+        try:
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            self._render = render_jinja_template
+        except ImportError:  # another transformers layout: the public API does the same work
+            self._render = None
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if self._render is None or self._chat_template is None:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        rendered, _ = self._render(conversations=[messages], chat_template=self._chat_template,
+                                   add_generation_prompt=True, **self._template_kwargs)
+        return rendered[0]
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._fast is not None:
@@ -28,7 +45,7 @@ class Prompter:
     def chat(self, req: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.render_chat(messages)
         except Exception as e:  # the template rejects the conversation (roles out of order, ...)
             raise bad_request(f"the chat template rejected these messages: {e}", param="messages")
         return self.encode(text, add_special_tokens=False)
