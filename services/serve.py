@@ -132,8 +132,14 @@ def default_models(cfg, prepare: bool) -> None:
     decode, prefill = cfg.pools["decode"], cfg.pools["prefill"]
     if prepare and not Path(decode.model).exists():
         _prepare(Path(decode.model).name)
-    if Path(prefill.model).exists() or (prepare and _prepare(Path(prefill.model).name) is not None):
+    if Path(prefill.model).exists():
         return
+    if prepare:
+        try:
+            if _prepare(Path(prefill.model).name) is not None:
+                return
+        except Exception as e:  # e.g. the distilled tensors are not shipped yet
+            typer.secho(f"pool prefill: cannot prepare {Path(prefill.model).name}: {e}", fg=typer.colors.YELLOW)
     undistilled = Path(prefill.model).parent / (Path(prefill.model).name + "-undistilled")
     if prepare and not (undistilled / "config.json").exists():
         _convert_half(Path(decode.model), undistilled)
