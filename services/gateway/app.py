@@ -28,7 +28,7 @@ from . import metrics
 from .auth import KeyStore, RateLimiter
 from .errors import APIError, bad_request, error_response, sse_error
 from .prompts import Prompter, max_model_len
-from .routing import Decision, Ewma, NoPoolAvailable, PoolState, RoutePolicy
+from .routing import Ewma, NoPoolAvailable, PoolState, RoutePolicy
 from .schemas import ChatCompletionRequest, CompletionRequest, parse
 
 log = logging.getLogger("swiftkv.gateway")
