@@ -267,6 +267,8 @@ def bench_engine_command(
         max_num_batched_tokens=max_num_batched_tokens,
         enforce_eager=not compile,
     )
+    if json:  # stdout carries only the report; vLLM (and its engine processes) log to stderr
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     log = (lambda m: typer.echo(m, err=True)) if json else typer.echo
     try:
         report = run_engine_bench(cfg, log=log)
