@@ -290,7 +290,8 @@ class SwiftKVLlamaModel(nn.Module):
 
 
 # checkpoint tensor name -> (vLLM parameter name, shard id or None), or None to skip the tensor
-_LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+# (suffix: weight, bias, or a quantized checkpoint's weight_scale / input_scale ...)
+_LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(\w+)$")
 
 
 class LlamaSwiftKVForCausalLM(nn.Module):
