@@ -228,3 +228,12 @@ def test_swiftkv_fp8_kv_cache(engines, tiny_swiftkv_across):
     batched = [list(o.outputs[0].token_ids) for o in generate(llm, prompts, max_tokens=12, logprobs=None)]
     alone = [list(generate(llm, [p], max_tokens=12, logprobs=None)[0].outputs[0].token_ids) for p in prompts[:3]]
     assert batched[:3] == alone
+
+
+@pytest.mark.slow
+def test_swiftkv_torch_compile_matches_reference(engines, tiny_swiftkv_across):
+    """vLLM's default (compiled) mode: the lower and later layers are two torch.compile units."""
+    ref = load_model(str(tiny_swiftkv_across))
+    llm = engines.get(tiny_swiftkv_across, enforce_eager=False)
+    prompts = [prompt(n, seed=4) for n in (1, 33, 100, 150)]
+    assert_matches_reference(ref, prompts, generate(llm, prompts))

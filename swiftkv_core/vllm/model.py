@@ -14,7 +14,9 @@ One forward step over a batch of scheduled tokens (prefill chunks and decode tok
     final norm             rows that need logits; all other rows of the output are zeros (never read:
                            `prompt_logprobs` is refused by `engine_config`)
 
-Later layers build no k/v projections at all and the original q/k/v tensors of layers >= l are
+Under vLLM's torch.compile modes, layers 0..l-1 with the fused projection and layers l..L-1 with the final
+norm are two compile units (`SwiftKVLowerLayers`, `SwiftKVLaterLayers`); the glue between them (cache
+writes, token selection, metadata) stays eager. Later layers build no k/v projections at all and the original q/k/v tensors of layers >= l are
 skipped at load time. The checkpoint format is Snowflake's (`model.norm_swiftkv`,
 `self_attn.q_proj_swiftkv`, `self_attn.{k,v}_proj_swiftkv` on group leaders), so their published
 checkpoints and ours load unchanged. Reference semantics: `swiftkv_core.modeling`.
@@ -28,6 +30,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
@@ -180,6 +183,51 @@ class SwiftKVDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
+class SwiftKVLowerLayers(nn.Module):
+    """Embedding, layers 0..l-1 and the fused SwiftKV projection: one torch.compile unit (all tokens)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: SwiftKVLlamaModel):
+        super().__init__()
+        self.embed_tokens = model.embed_tokens
+        self.layers = model.layers[: model.num_kv_layers]
+        self.norm_swiftkv = model.norm_swiftkv
+        self.kv_proj_swiftkv = model.kv_proj_swiftkv
+        self.rotary_emb = model.rotary_emb
+        self.key_columns = len(model.leaders) * model.kv_size
+
+    def forward(self, input_ids, positions, inputs_embeds=None):
+        """(residual stream after layer l-1, keys of all leaders (rotated), values of all leaders)."""
+        hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        stream = hidden_states + residual
+        # One GEMM for the K/V of every later layer; output columns [K leader 0..n-1 | V leader 0..n-1].
+        kv, _ = self.kv_proj_swiftkv(self.norm_swiftkv(stream))
+        keys, _ = self.rotary_emb(positions, kv[:, : self.key_columns], None)
+        return stream, keys, kv[:, self.key_columns :]
+
+
+@support_torch_compile(dynamic_arg_dims={"positions": 0, "hidden_states": 0, "key_block": 0, "value_block": 0})
+class SwiftKVLaterLayers(nn.Module):
+    """Layers l..L-1 and the final norm, for the tokens that need logits: one torch.compile unit."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: SwiftKVLlamaModel):
+        super().__init__()
+        self.layers = model.layers[model.num_kv_layers :]
+        self.norm = model.norm
+        self.kv_size, self.group_size = model.kv_size, model.group_size
+
+    def forward(self, positions, hidden_states, key_block, value_block) -> torch.Tensor:
+        keys, values = key_block.split(self.kv_size, dim=-1), value_block.split(self.kv_size, dim=-1)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            j = i // self.group_size
+            hidden_states, residual = layer(positions, hidden_states, residual, keys[j], values[j])
+        return self.norm(hidden_states, residual)[0]
+
+
 class SwiftKVLlamaModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "model"):
         super().__init__()
@@ -213,59 +261,42 @@ class SwiftKVLlamaModel(nn.Module):
                 prefix=f"{prefix}.kv_proj_swiftkv",
             )
             self.rotary_emb = later.rotary_emb
+            # Two compile units (eager when the engine runs eagerly); the glue between them (cache writes,
+            # token selection, metadata) stays eager. Parameters keep their names under `layers`.
+            from vllm.compilation.backends import set_model_tag
+
+            with set_model_tag("swiftkv_lower"):
+                self.lower = SwiftKVLowerLayers(vllm_config=vllm_config, prefix=f"{prefix}.lower", model=self)
+            with set_model_tag("swiftkv_later"):
+                self.later = SwiftKVLaterLayers(vllm_config=vllm_config, prefix=f"{prefix}.later", model=self)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
-        hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        residual = None
-        for layer in self.layers[: self.num_kv_layers]:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        if not self.leaders:
+        if not self.leaders:  # l = L: a plain Llama
+            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            residual = None
+            for layer in self.layers:
+                hidden_states, residual = layer(positions, hidden_states, residual)
             return self.norm(hidden_states, residual)[0]
 
-        stream = hidden_states + residual  # residual stream after layer l-1, every token
-        key_block, value_block = self.project_kv(positions, stream)
-        keys, values = self._split(key_block), self._split(value_block)
-        for leader, k, v in zip(self.leaders, keys, values):
+        stream, key_block, value_block = self.lower(input_ids, positions, inputs_embeds)
+        for leader, k, v in zip(self.leaders, self._split(key_block), self._split(value_block)):
             write_kv_cache(self.layers[leader].self_attn.attn, k, v)
 
         selected = self.select_tokens()
         if selected is None:  # decode-only step or profile run: all tokens continue
-            return self.forward_later_layers(positions, stream, keys, values)
+            return self.later(positions, stream, key_block, value_block)
         indices = selected.indices
         with self.later_layers_metadata(selected.metadata):
-            out_sel = self.forward_later_layers(
-                positions[indices],
-                stream[indices],
-                self._split(key_block[indices]),
-                self._split(value_block[indices]),
-            )
+            out_sel = self.later(positions[indices], stream[indices], key_block[indices], value_block[indices])
         out = stream.new_zeros(stream.shape)
         out[indices] = out_sel
         return out
 
-    def project_kv(self, positions, stream) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (rotated) and values of every leader >= l for every token: one GEMM, one RoPE call.
-
-        Each result is [tokens, leaders * kv_size], leader j in columns j * kv_size..(j + 1) * kv_size.
-        """
-        kv, _ = self.kv_proj_swiftkv(self.norm_swiftkv(stream))
-        n = len(self.leaders) * self.kv_size
-        keys, _ = self.rotary_emb(positions, kv[:, :n], None)
-        return keys, kv[:, n:]
-
     def _split(self, block: torch.Tensor) -> list[torch.Tensor]:
         return list(block.split(self.kv_size, dim=-1))
-
-    def forward_later_layers(self, positions, hidden_states, keys, values) -> torch.Tensor:
-        residual = None
-        l, g = self.num_kv_layers, self.group_size
-        for i in range(l, len(self.layers)):
-            j = (i - l) // g
-            hidden_states, residual = self.layers[i](positions, hidden_states, residual, keys[j], values[j])
-        return self.norm(hidden_states, residual)[0]
 
     def select_tokens(self):
         attn_metadata = get_forward_context().attn_metadata
