@@ -251,7 +251,8 @@ def distill_command(
     init: Annotated[str, typer.Option(help="snowflake (copy/mean) | lstsq (fit K/V to the teacher's)")] = "snowflake",
     lr: Annotated[float, typer.Option(help="AdamW learning rate")] = 2e-4,
     warmup: Annotated[float, typer.Option(help="Warm-up fraction of a linear schedule")] = 0.05,
-    max_steps: Annotated[int, typer.Option(help="Optimizer steps")] = 200,
+    max_steps: Annotated[int, typer.Option(help="Optimizer steps (length of the lr schedule)")] = 200,
+    stop_at: Annotated[int | None, typer.Option(help="End early at this step (schedule unchanged) and write the checkpoint")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per step")] = 4,
     seq_len: Annotated[int, typer.Option(help="Tokens per packed sequence")] = 256,
     all_tokens: Annotated[bool, typer.Option("--all-tokens", help="Chat records: loss on every token, not only the assistant's")] = False,
@@ -271,7 +272,7 @@ def distill_command(
     cfg = DistillConfig(
         base=str(base), out=str(out), data=str(data), num_key_value_layers=num_key_value_layers,
         key_value_group_size=key_value_group_size, loss=loss, temperature=temperature, hidden_weight=hidden_weight,
-        train_scope=train_scope, init=init, lr=lr, warmup=warmup, max_steps=max_steps, batch_size=batch_size,
+        train_scope=train_scope, init=init, lr=lr, warmup=warmup, max_steps=max_steps, stop_at=stop_at, batch_size=batch_size,
         seq_len=seq_len, assistant_only=not all_tokens, bf16=bf16, seed=seed, checkpoint_every=checkpoint_every,
         eval_data=str(eval_data) if eval_data else None, eval_every=eval_every, threads=threads,
     )

@@ -65,7 +65,8 @@ class DistillConfig:
     lr: float = 2e-4
     weight_decay: float = 0.0
     warmup: float = 0.05  # fraction of the steps
-    max_steps: int = 200
+    max_steps: int = 200  # length of the lr schedule
+    stop_at: int | None = None  # end training early at this step (schedule unchanged) and write the checkpoint
     batch_size: int = 4
     seq_len: int = 256
     assistant_only: bool = True
@@ -360,14 +361,15 @@ def distill(cfg: DistillConfig) -> Path:
     if cfg.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.max_steps, initial=step, desc=f"distill l={cfg.num_key_value_layers} g={cfg.key_value_group_size}", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=min(cfg.max_steps, cfg.stop_at or cfg.max_steps), initial=step, desc=f"distill l={cfg.num_key_value_layers} g={cfg.key_value_group_size}", unit="step", dynamic_ncols=True)
     metrics = open(metrics_path, "a")
     if step == 0 and eval_data is not None and cfg.eval_every and not cfg.extra.get("finalize"):
         metrics.write(json.dumps({"step": 0, "tokens": 0, **quick_eval(model, teacher_upper, eval_data, cfg.eval_rows, cfg.bf16)}) + "\n")
         metrics.flush()
     model.train()
     t_run = time.perf_counter()
-    while step < cfg.max_steps and not cfg.extra.get("finalize"):
+    last = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
+    while step < last and not cfg.extra.get("finalize"):
         t0 = time.perf_counter()
         idx = batch_indices(step, len(data), cfg.batch_size, cfg.seed)
         ids, target = data.ids[idx], data.target[idx]
@@ -393,14 +395,14 @@ def distill(cfg: DistillConfig) -> Path:
         if bar is not None:
             bar.set_postfix(loss=f"{terms['loss'].item():.4f}", tok_s=f"{tok_s:.0f}")
             bar.update(1)
-        if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
+        if step % cfg.checkpoint_every == 0 or step == last:
             _save_state(state_path, step, trainable, optimizer, scheduler, elapsed, tokens)
         if cfg.extra.get("stop_after") and step >= cfg.extra["stop_after"]:
             break  # tests: behave like a run killed right after this step
     if bar is not None:
         bar.close()
     metrics.close()
-    if step < cfg.max_steps and not cfg.extra.get("finalize"):
+    if step < last and not cfg.extra.get("finalize"):
         return out
     model.eval()
     write_checkpoint(model, cfg.base, out, trainable)

@@ -40,7 +40,7 @@ def _load(path: str | Path):
     return load_model(str(p))
 
 
-def default_prompts(text_path: str | Path, n: int, max_chars: int = 600) -> list[list[dict]]:
+def default_prompts(text_path: str | Path, n: int, max_chars: int = 300) -> list[list[dict]]:
     """Chat prompts from the evaluation text: the user messages of chat records, else text openings."""
     prompts = []
     for rec in load_records(text_path):

@@ -210,3 +210,12 @@ def test_finalize_writes_the_checkpoint_of_a_stopped_run(tiny_base, train_text, 
     out = distill(final)
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
     assert load_model(str(out)).config.num_key_value_layers == 4
+
+
+def test_stop_at_ends_early_on_the_same_schedule(tiny_base, train_text, tmp_path):
+    full = distill(_cfg(tiny_base, tmp_path / "full", train_text))
+    early = distill(_cfg(tiny_base, tmp_path / "early", train_text, stop_at=3))
+    a = [json.loads(ln) for ln in (full / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(ln) for ln in (early / "metrics.jsonl").read_text().splitlines()]
+    assert len(b) == 3 and [r["lr"] for r in b] == [r["lr"] for r in a[:3]]
+    assert json.loads((early / "summary.json").read_text())["steps"] == 3 and (early / "config.json").exists()
