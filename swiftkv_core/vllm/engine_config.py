@@ -10,6 +10,10 @@ refuse, with a message that says why, what it cannot do correctly:
   `AsyncLLM`, and the OpenAI server turns the error into a 400).
 - speculative decoding (the target model would need logits for draft tokens mid-sequence) and
   pipeline parallelism (the later layers need layer l's output for every token on one rank).
+
+On GPUs it also limits CUDA graphs to decode-only batches: in a step with prompt tokens the later
+layers run on a data-dependent number of rows (one per request), which a graph captured for the
+step's padded token count cannot replay. Decode-only steps keep every row, so their graphs are safe.
 """
 
 from __future__ import annotations
@@ -17,13 +21,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from vllm.config.compilation import CUDAGraphMode
 from vllm.exceptions import VLLMValidationError
+from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
 
 PROMPT_LOGPROBS_REFUSAL = (
     "prompt_logprobs are not supported by SwiftKV models: prompt tokens skip the layers after "
@@ -69,8 +77,25 @@ class SwiftKVEngineConfig(VerifyAndUpdateConfig):
             )
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise SwiftKVConfigError("pipeline parallelism is not supported with SwiftKV models; use tensor parallelism")
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            compilation = vllm_config.compilation_config
+            compilation.cudagraph_mode = swiftkv_cudagraph_mode(compilation.cudagraph_mode)
         model_config = vllm_config.model_config
         processors = list(model_config.logits_processors or [])
         if SwiftKVRequestValidator.FQCN not in processors and SwiftKVRequestValidator not in processors:
             processors.append(SwiftKVRequestValidator.FQCN)
         model_config.logits_processors = processors
+
+
+def swiftkv_cudagraph_mode(requested: CUDAGraphMode | None) -> CUDAGraphMode:
+    """The CUDA-graph mode a SwiftKV engine may use: none, or full graphs for decode-only batches."""
+    if requested in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
+        return requested
+    if requested is not None:
+        logger.warning(
+            "SwiftKV: cudagraph_mode %s would replay graphs for steps whose later layers see a "
+            "different number of rows; using FULL_DECODE_ONLY instead", requested.name,
+        )
+    return CUDAGraphMode.FULL_DECODE_ONLY

