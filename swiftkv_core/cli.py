@@ -82,6 +82,22 @@ def _model_shape(preset: str | None, model: str | None):
         fail(f"cannot read a model config from {model!r}: {e}")
 
 
+def _shape_and_layers(preset: str | None, model: str | None, num_key_value_layers: int | None):
+    """The model shape and l (default: half the layers, the paper's main setting)."""
+    shape = _model_shape(preset, model)
+    return shape, shape.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
+
+
+def _checked(report, *args):
+    """Run an analysis; a bad layout or option becomes one clear error line."""
+    from .config import SwiftKVConfigError
+
+    try:
+        return report(*args)
+    except (SwiftKVConfigError, ValueError) as e:
+        fail(str(e))
+
+
 def _print_json(data: dict) -> None:
     import json
 
@@ -119,14 +135,9 @@ def analyze_flops_command(
 ) -> None:
     """GFLOPs per prefill token by component (paper Table 1), SwiftKV against the baseline."""
     from .analysis import COMPONENTS, flops_report
-    from .config import SwiftKVConfigError
 
-    shape = _model_shape(preset, model)
-    l = shape.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
-    try:
-        report = flops_report(shape, seq_len, l, key_value_group_size, convention)
-    except (SwiftKVConfigError, ValueError) as e:
-        fail(str(e))
+    shape, l = _shape_and_layers(preset, model, num_key_value_layers)
+    report = _checked(flops_report, shape, seq_len, l, key_value_group_size, convention)
     if json:
         return _print_json(report)
     names = {"vocab": "Vocab", "kv": "K,V", "qo": "Q,O", "mlp": "MLP", "attn": "Attn."}
@@ -154,14 +165,9 @@ def analyze_kv_command(
 ) -> None:
     """KV-cache bytes per token (AcrossKV, fp8) against the baseline in bf16."""
     from .analysis import kv_cache_report
-    from .config import SwiftKVConfigError
 
-    shape = _model_shape(preset, model)
-    l = shape.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
-    try:
-        report = kv_cache_report(shape, l, key_value_group_size, kv_dtype)
-    except (SwiftKVConfigError, ValueError) as e:
-        fail(str(e))
+    shape, l = _shape_and_layers(preset, model, num_key_value_layers)
+    report = _checked(kv_cache_report, shape, l, key_value_group_size, kv_dtype)
     if json:
         return _print_json(report)
     _print_table(
