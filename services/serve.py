@@ -10,6 +10,8 @@ import typer
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from swiftkv_core.cli import fail
+
 
 class ServeSettings(BaseSettings):
     """Environment (SWIFTKV_*) defaults for `swiftkv serve`; command-line flags override them."""
@@ -25,17 +27,12 @@ class ServeSettings(BaseSettings):
     ray_metrics_port: int = 8080
 
 
-def _fail(message: str) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code=2)
-
-
 def _check_models(cfg) -> None:
     for name, pool in cfg.pools.items():
         path = Path(pool.model)
         looks_local = pool.model.startswith((".", "/")) or pool.model.startswith("models/")
         if pool.backend == "engine" and looks_local and not path.exists():
-            _fail(f"pool {name}: model folder {pool.model} does not exist "
+            fail(f"pool {name}: model folder {pool.model} does not exist "
                   f"(prepare it with `swiftkv models prepare {path.name}`, or run `swiftkv demo`)")
 
 
@@ -51,7 +48,7 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
     try:
         keys = KeyStore.from_env(api_keys_file or cfg.api_keys_file)
     except (OSError, ValueError) as e:
-        _fail(f"API keys: {e}")
+        fail(f"API keys: {e}")
     # Pools share one tokenizer (a SwiftKV model keeps its base model's); the base model's loads plainly.
     pool = cfg.pools.get("decode") or next(iter(cfg.pools.values()))
     prompter = Prompter(pool.tokenizer or pool.model)
@@ -98,14 +95,14 @@ def serve_command(
     settings = ServeSettings()
     engine = engine or settings.engine
     if engine not in ("ray", "inprocess"):
-        _fail(f"--engine must be 'ray' or 'inprocess', not {engine!r}")
+        fail(f"--engine must be 'ray' or 'inprocess', not {engine!r}")
     config = config or settings.config
     if config is not None and not Path(config).exists():
-        _fail(f"config file {config} does not exist")
+        fail(f"config file {config} does not exist")
     try:
         cfg = load_config(config, {"host": host or settings.host, "port": port or settings.port})
     except (ValidationError, ValueError) as e:
-        _fail(f"invalid config {config or '(default)'}: {e}")
+        fail(f"invalid config {config or '(default)'}: {e}")
     if config is None:
         default_models(cfg, prepare=False)
     _check_models(cfg)
