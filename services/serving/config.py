@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_CONFIG = """\
 # Served by `swiftkv serve` when no --config is given (and by `swiftkv demo`).
+# dtype auto: the model's dtype on GPUs; on CPUs bfloat16 only with native bf16 (AVX-512 BF16 or AMX), else float32.
 model: swiftkv-smollm2            # the public name; requests for it are routed between the pools
 host: 127.0.0.1
 port: 8000
@@ -25,11 +26,11 @@ routing:
 pools:
   prefill:                        # SwiftKV model: cheap prefill for prompt-heavy requests
     model: models/smollm2-135m-instruct-swiftkv
-    engine_args: {max_model_len: 2048, dtype: bfloat16, enforce_eager: true, kv_cache_memory_bytes: 268435456}
+    engine_args: {max_model_len: 2048, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 268435456}
     replicas: {min: 1, max: 2, target_ongoing_requests: 8, max_ongoing_requests: 32}
   decode:                         # base model: decode-heavy requests
     model: models/smollm2-135m-instruct
-    engine_args: {max_model_len: 2048, dtype: bfloat16, enforce_eager: true, kv_cache_memory_bytes: 268435456}
+    engine_args: {max_model_len: 2048, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 268435456}
     replicas: {min: 1, max: 2, target_ongoing_requests: 8, max_ongoing_requests: 32}
 """
 

@@ -116,7 +116,10 @@ class VLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(model=self.model, served_model_name=[self.served_model_name], **self.engine_args)
+        from swiftkv_core.hardware import engine_args_for_machine, vllm_on_cpu
+
+        engine_args = engine_args_for_machine(self.engine_args, vllm_on_cpu(), f"pools.{self.name}.engine_args")
+        args = AsyncEngineArgs(model=self.model, served_model_name=[self.served_model_name], **engine_args)
         return AsyncLLM.from_engine_args(args, stat_loggers=self.stat_loggers)
 
     async def start(self, adopt_metrics: bool = False) -> None:

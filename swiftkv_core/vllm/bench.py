@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import math
 import os
-import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -37,7 +36,7 @@ class EngineBenchConfig:
     combined_requests: int = 8
     ttft_requests: int = 3
     rounds: int = 2
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # resolved for the machine (swiftkv_core.hardware) before the engines start
     kv_cache_dtype: str = "auto"
     kv_cache_gib: float = 1.0
     block_size: int = 128
@@ -75,19 +74,13 @@ def _kv_budget_bytes(cfg: EngineBenchConfig, caches: list[int], per_token: int) 
 
 
 def _machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import torch
     import vllm
 
+    from ..hardware import cpu_info
+
     return {
-        "cpu": cpu,
+        **cpu_info().as_dict(),
         "cpus": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0],
         "vllm": vllm.__version__,
@@ -143,13 +136,21 @@ class _Engine:
 
 
 def run_engine_bench(cfg: EngineBenchConfig, log=print) -> dict:
+    from ..hardware import UnsupportedSetting, engine_args_for_machine, vllm_on_cpu
+
+    try:
+        machine_args = engine_args_for_machine({"dtype": cfg.dtype, "kv_cache_dtype": cfg.kv_cache_dtype}, vllm_on_cpu(), "bench")
+    except UnsupportedSetting as e:
+        raise BenchError(str(e)) from None
+    cfg = replace(cfg, dtype=machine_args["dtype"])
     L_base, caches_base, per_token = _kv_layout(cfg.baseline)
     L_swift, caches_swift, per_token_swift = _kv_layout(cfg.model)
     if (L_base, per_token) != (L_swift, per_token_swift):
         raise BenchError(f"{cfg.model} and {cfg.baseline} differ in layers or KV shape: not a SwiftKV model of that base")
     kv_bytes = _kv_budget_bytes(cfg, [caches_base, caches_swift], per_token)
     machine = _machine()
-    log(f"machine: {machine['cpu']}, {machine['cpus']} CPUs, load {machine['load_average_1m']:.2f}")
+    log(f"machine: {machine['cpu_model']} [{' '.join(machine['cpu_flags'])}], {machine['cpus']} CPUs, "
+        f"load {machine['load_average_1m']:.2f}; dtype {cfg.dtype}")
 
     engines: list[_Engine] = []
     try:
@@ -238,7 +239,7 @@ def bench_engine_command(
     combined_requests: Annotated[int, typer.Option(help="Requests in the combined batch")] = 8,
     ttft_requests: Annotated[int, typer.Option(help="Single requests timed per round for TTFT")] = 3,
     rounds: Annotated[int, typer.Option(help="Alternating measurement rounds per engine")] = 2,
-    dtype: Annotated[str, typer.Option(help="Engine dtype")] = "bfloat16",
+    dtype: Annotated[str, typer.Option(help="Engine dtype; auto: bfloat16 only on CPUs with native bf16, else float32")] = "auto",
     kv_cache_dtype: Annotated[str, typer.Option(help="auto | fp8 | ...")] = "auto",
     kv_cache_gib: Annotated[float, typer.Option(help="KV-cache memory budget per engine (GiB)")] = 1.0,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Tokens per engine step")] = 4096,
