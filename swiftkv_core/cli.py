@@ -262,7 +262,8 @@ def distill_command(
     batch_size: Annotated[int, typer.Option(help="Sequences per step")] = 4,
     seq_len: Annotated[int, typer.Option(help="Tokens per packed sequence")] = 256,
     all_tokens: Annotated[bool, typer.Option("--all-tokens", help="Chat records: loss on every token, not only the assistant's")] = False,
-    bf16: Annotated[bool, typer.Option("--bf16/--fp32", help="bfloat16 autocast for the forward passes")] = True,
+    precision: Annotated[str, typer.Option(help="auto (bf16 only on CPUs with native bf16) | fp32 | bf16")] = "auto",
+    cache: Annotated[Path | None, typer.Option(help="Teacher cache folder (see distill-cache); built for this run if absent")] = None,
     seed: Annotated[int, typer.Option(help="Data order seed")] = 0,
     checkpoint_every: Annotated[int, typer.Option(help="Save resumable state every N steps")] = 50,
     eval_data: Annotated[Path | None, typer.Option(help="Held-out text for periodic top-1/KL checks")] = None,
@@ -274,23 +275,54 @@ def distill_command(
     from .config import SwiftKVConfigError
     from .data import DataError
     from .distill import DistillConfig, DistillError, distill
+    from .teacher_cache import CacheError
 
     cfg = DistillConfig(
         base=str(base), out=str(out), data=str(data), num_key_value_layers=num_key_value_layers,
         key_value_group_size=key_value_group_size, loss=loss, temperature=temperature, hidden_weight=hidden_weight,
         train_scope=train_scope, init=init, lr=lr, warmup=warmup, max_steps=max_steps, stop_at=stop_at, batch_size=batch_size,
-        seq_len=seq_len, assistant_only=not all_tokens, bf16=bf16, seed=seed, checkpoint_every=checkpoint_every,
-        eval_data=str(eval_data) if eval_data else None, eval_every=eval_every, threads=threads,
+        seq_len=seq_len, assistant_only=not all_tokens, precision=precision, cache=str(cache) if cache else None, seed=seed,
+        checkpoint_every=checkpoint_every, eval_data=str(eval_data) if eval_data else None, eval_every=eval_every,
+        threads=threads, finalize=finalize,
     )
-    if finalize:
-        if not (out / "state.pt").exists():
-            fail(f"--finalize needs a saved state in {out}/state.pt")
-        cfg.extra["finalize"] = True
     try:
         path = distill(cfg)
-    except (SwiftKVConfigError, DistillError, DataError) as e:
+    except (SwiftKVConfigError, DistillError, DataError, CacheError) as e:
         fail(str(e))
     typer.echo(str(path))
+
+
+def distill_cache_command(
+    base: Annotated[Path, typer.Option(help="Base Llama checkpoint folder (the teacher)")],
+    data: Annotated[Path, typer.Option(help="Training text, as for distill")],
+    out: Annotated[Path, typer.Option(help="Cache folder")],
+    layers: Annotated[str, typer.Option(help="Comma-separated l values whose student input to store, e.g. 15,18,20,22")],
+    rows: Annotated[int, typer.Option(help="Packed rows to cache (batch_size x steps of the runs that use it)")] = 1024,
+    seq_len: Annotated[int, typer.Option(help="Tokens per packed sequence (must match the runs)")] = 256,
+    all_tokens: Annotated[bool, typer.Option("--all-tokens", help="Chat records: targets on every token")] = False,
+    threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
+) -> None:
+    """Run the teacher once over the data and store layer l's input and the teacher's output (resumable)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from .data import DataError, load_packed
+    from .teacher_cache import CacheError, build
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        ls = [int(x) for x in layers.split(",") if x.strip()]
+    except ValueError:
+        fail(f"--layers must be comma-separated integers, got {layers!r}")
+    if not (base / "config.json").exists():
+        fail(f"base model folder {str(base)!r} does not exist or has no config.json")
+    try:
+        packed = load_packed(str(data), AutoTokenizer.from_pretrained(base), seq_len, not all_tokens)
+        cache = build(out, base, packed, ls, rows)
+    except (DataError, CacheError) as e:
+        fail(str(e))
+    typer.echo(f"{out}: {cache.rows} rows x {seq_len} tokens, layers {cache.meta['layers']}")
 
 
 def eval_command(
@@ -319,5 +351,6 @@ def eval_command(
 
 def register_training_commands(app: typer.Typer) -> None:
     app.command("distill")(distill_command)
+    app.command("distill-cache")(distill_cache_command)
     app.command("eval")(eval_command)
     app.add_typer(data_app, name="data")

@@ -2,23 +2,29 @@
 
 One copy of the frozen base weights serves as teacher and student:
 
-    lower = model.forward_lower(ids)                    layers < l, identical for both: run once, no grad
-    teacher = model.forward_upper(lower, swiftkv=False) the original later layers, no grad
-    student = model.forward_upper(lower, swiftkv=True)  SwiftKV later layers, gradients
-    loss = T^2 * KL(softmax(teacher / T) || softmax(student / T)), masked mean over target positions
-           (+ hidden_weight * MSE of the later layers' residual streams)
+    lower = model.forward_lower(ids)                    layers < l, identical for both: no grad
+    teacher = model.forward_upper_hidden(lower, False)  the original later layers + final norm, no grad
+    student = model.forward_upper_hidden(lower, True)   SwiftKV later layers + final norm, gradients
+    loss = T^2 * KL(softmax(teacher @ W / T) || softmax(student @ W / T)), mean over target positions
+           (+ hidden_weight * MSE of the final normed hidden states, the LM head's input)
+
+With a teacher cache (`--cache DIR`, see teacher_cache.py) `lower.hidden` and the teacher's final hidden
+state are read from disk and a step is the student's later layers and the head only. The head (W, tied and
+frozen) is applied to target rows only, in float32, chunk by chunk with the KL gradient formed on the fly
+(`head_kl`), so no [tokens x vocabulary] tensor is ever stored.
 
 Only `norm_swiftkv`, `q_proj_swiftkv` and `k/v_proj_swiftkv` train (`--train-scope swiftkv`, the paper's
 recipe); `--train-scope full-layers` also trains every weight of layers >= l (the paper's ablation; the
 teacher then keeps its own frozen copy of those layers). `--loss lm` replaces the KL by the plain
-next-token loss (the other ablation). AdamW, lr 2e-4, linear schedule with 5% warm-up.
+next-token loss (the other ablation). AdamW, lr 2e-4, linear schedule with 5% warm-up. The later layers
+run in bfloat16 autocast only on CPUs with native bf16 (`precision auto`); elsewhere float32.
 
 Run state lives in OUT/: `metrics.jsonl` (one line per logged step), `state.pt` (trainable tensors,
 optimizer, scheduler, step; written every `checkpoint_every` steps and at the end), `run.json` (the
 settings). Running again with the same OUT resumes from `state.pt`: the data order is a pure function of
 (seed, step), so a resumed run replays the same batches. At the end OUT holds a complete SwiftKV checkpoint
 in the Snowflake format (config `llama_swiftkv`, every original tensor plus the SwiftKV ones), which the
-vLLM plugin serves, and `swiftkv-trained.safetensors` (only the trained tensors, for shipping).
+vLLM plugin serves, and `trained/swiftkv-trained.safetensors` (only the trained tensors, for shipping).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -38,11 +44,11 @@ import torch.nn.functional as F
 
 from .config import LlamaSwiftKVConfig, check_swiftkv_layout, swiftkv_config_from_base
 from .data import DataError, PackedData, load_packed, loss_mask
-from .modeling import LlamaSwiftKVForCausalLM
+from .modeling import LlamaSwiftKVForCausalLM, LowerState
+from .shipped import TRAINED_FILE
 
 STATE_FILE = "state.pt"
 METRICS_FILE = "metrics.jsonl"
-TRAINED_FILE = "swiftkv-trained.safetensors"
 
 
 class DistillError(ValueError):
@@ -58,7 +64,7 @@ class DistillConfig:
     key_value_group_size: int = 1
     loss: str = "kl"  # kl | lm
     temperature: float = 2.0
-    hidden_weight: float = 0.0  # weight of the hidden-state MSE term (0 = off)
+    hidden_weight: float = 0.0  # weight of the MSE of the final normed hidden states (0 = off)
     train_scope: str = "swiftkv"  # swiftkv | full-layers
     init: str = "snowflake"  # snowflake | lstsq (least-squares fit of the K/V projections to the teacher's)
     init_tokens: int = 32768  # tokens used by the lstsq initialisation
@@ -70,7 +76,8 @@ class DistillConfig:
     batch_size: int = 4
     seq_len: int = 256
     assistant_only: bool = True
-    bf16: bool = True  # bfloat16 autocast for the forward passes (weights and optimizer stay float32)
+    precision: str = "auto"  # auto | fp32 | bf16: autocast of the later layers (weights and optimizer stay float32)
+    cache: str | None = None  # teacher cache folder (built on first use for this run's rows and layer l)
     seed: int = 0
     log_every: int = 1
     checkpoint_every: int = 50
@@ -79,7 +86,7 @@ class DistillConfig:
     eval_rows: int = 16
     threads: int | None = None
     progress: bool = True
-    extra: dict = field(default_factory=dict)
+    finalize: bool = False  # train no further: write the checkpoint from OUT's last saved state
 
 
 # --------------------------------------------------------------------------------------------------
@@ -186,24 +193,49 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / count
 
 
+class _HeadKL(torch.autograd.Function):
+    """sum over rows of KL(softmax(t W^T / T) || softmax(s W^T / T)), with W frozen.
+
+    Chunks of rows keep the [rows x vocabulary] logits in cache; the gradient w.r.t. s, (p_s - p_t) W / T,
+    is formed in the same pass, so backward is a multiply and nothing the size of the vocabulary is kept.
+    """
+
+    @staticmethod
+    def forward(ctx, s, t, weight, temperature: float, chunk: int):
+        total = s.new_zeros((), dtype=torch.float64)
+        grad = torch.empty_like(s)
+        for a in range(0, s.shape[0], chunk):
+            log_ps = F.log_softmax(s[a : a + chunk] @ weight.T / temperature, dim=-1)
+            log_pt = F.log_softmax(t[a : a + chunk] @ weight.T / temperature, dim=-1)
+            p_t = log_pt.exp()
+            total += (p_t * (log_pt - log_ps)).sum(dtype=torch.float64)
+            grad[a : a + chunk] = (log_ps.exp() - p_t) @ weight / temperature
+        ctx.save_for_backward(grad)
+        return total.to(s.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (grad,) = ctx.saved_tensors
+        return grad_out * grad, None, None, None, None
+
+
+def head_kl(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, temperature: float, chunk: int = 256) -> torch.Tensor:
+    """T^2 * mean over rows of KL(teacher || student) of the head's distributions at temperature T, in float32.
+
+    `student` / `teacher` are final normed hidden states [rows, d] of target positions; `weight` the LM head."""
+    if student.shape[0] == 0:
+        raise DataError("a batch has no target positions")
+    kl = _HeadKL.apply(student.float(), teacher.float().detach(), weight.detach().float(), temperature, chunk)
+    return kl / student.shape[0] * temperature * temperature
+
+
 def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    """T^2 * KL(teacher || student) at temperature T, in log space, averaged over masked positions."""
+    """T^2 * KL(teacher || student) at temperature T from full logits, averaged over masked positions."""
     t = temperature
     log_p_s = F.log_softmax(student_logits.float() / t, dim=-1)
     log_p_t = F.log_softmax(teacher_logits.float() / t, dim=-1)
     kl = F.kl_div(log_p_s, log_p_t, reduction="none", log_target=True).sum(-1)  # [N]
     return masked_mean(kl, mask) * t * t
-
-
-def lm_loss(student_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    nll = F.cross_entropy(student_logits.float(), labels, reduction="none")
-    return masked_mean(nll, mask)
-
-
-def hidden_mse(student_hidden: list[torch.Tensor], teacher_hidden: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    """Mean over later layers of the per-position mean squared error of the residual streams."""
-    per_layer = [masked_mean((s.float() - t.float()).pow(2).mean(-1), mask) for s, t in zip(student_hidden, teacher_hidden)]
-    return torch.stack(per_layer).mean()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,48 +263,66 @@ def lr_lambda(total_steps: int, warmup: float):
     return f
 
 
+def use_bf16(precision: str) -> bool:
+    """bf16 autocast for `precision`; auto: only where the CPU has native bf16 (emulated bf16 is ~8x slower)."""
+    if precision not in ("auto", "fp32", "bf16"):
+        raise DistillError(f"precision must be auto, fp32 or bf16, got {precision!r}")
+    if precision == "auto":
+        from .hardware import cpu_info
+
+        return cpu_info().native_bf16
+    return precision == "bf16"
+
+
 def autocast(enabled: bool):
     return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
-def distill_step(model, teacher_upper, ids, target, cfg: DistillConfig) -> dict[str, torch.Tensor]:
-    """Forward both passes for one batch and return the loss terms (the total under 'loss')."""
-    mask = loss_mask(target)
-    with torch.no_grad(), autocast(cfg.bf16):
-        lower = model.forward_lower(ids)
-        need_teacher = cfg.loss == "kl" or cfg.hidden_weight > 0
-        t_out = teacher_upper.forward_upper(lower, swiftkv=False, output_hidden_states=cfg.hidden_weight > 0) if need_teacher else None
-    with autocast(cfg.bf16):
-        s_out = model.forward_upper(lower, swiftkv=True, output_hidden_states=cfg.hidden_weight > 0)
+def loss_terms(model, student: torch.Tensor, teacher: torch.Tensor | None, labels: torch.Tensor, cfg: DistillConfig) -> dict[str, torch.Tensor]:
+    """The loss terms (total under 'loss') from the final normed hidden states of the target rows."""
     terms = {}
-    sel = mask.reshape(-1)
-    s_logits = s_out.logits.reshape(-1, s_out.logits.shape[-1])[sel]
-    ones = torch.ones(s_logits.shape[0], dtype=torch.bool)
     if cfg.loss == "kl":
-        t_logits = t_out.logits.reshape(-1, t_out.logits.shape[-1])[sel]
-        terms["kl"] = kl_loss(s_logits, t_logits, ones, cfg.temperature)
-        main = terms["kl"]
+        terms["kl"] = head_kl(student, teacher, model.lm_head.weight, cfg.temperature)
     else:
-        labels = torch.roll(ids, -1, dims=1).reshape(-1)[sel]
-        terms["lm"] = lm_loss(s_logits, labels, ones)
-        main = terms["lm"]
+        terms["lm"] = F.cross_entropy(model.lm_head(student.float()).float(), labels)
+    main = terms.get("kl", terms.get("lm"))
     if cfg.hidden_weight > 0:
-        terms["hidden_mse"] = hidden_mse(s_out.hidden_states, t_out.hidden_states, mask)
+        terms["hidden_mse"] = (student.float() - teacher.float()).pow(2).mean()
         main = main + cfg.hidden_weight * terms["hidden_mse"]
     terms["loss"] = main
     return terms
+
+
+def distill_step(model, teacher_upper, ids, target, cfg: DistillConfig, cache=None, idx=None) -> dict[str, torch.Tensor]:
+    """Forward one batch and return the loss terms. With `cache`, layer l's input and the teacher's output
+    for rows `idx` come from the teacher cache instead of being recomputed."""
+    mask = loss_mask(target)
+    labels = torch.roll(ids, -1, dims=1)[mask]
+    bf16 = use_bf16(cfg.precision)
+    need_teacher = cfg.loss == "kl" or cfg.hidden_weight > 0
+    if cache is not None:
+        lower = model.lower_state(cache.hidden(cfg.num_key_value_layers, idx))
+        teacher = cache.final(idx)[mask] if need_teacher else None
+    else:
+        with torch.no_grad(), autocast(bf16):
+            lower = model.forward_lower(ids)
+            teacher = teacher_upper.forward_upper_hidden(lower, swiftkv=False)[0][mask] if need_teacher else None
+    with autocast(bf16):
+        student = model.forward_upper_hidden(lower, swiftkv=True)[0][mask]
+    return loss_terms(model, student, teacher, labels, cfg)
 
 
 @torch.no_grad()
 def quick_eval(model, teacher_upper, data: PackedData, rows: int, bf16: bool) -> dict[str, float]:
     """Top-1 agreement and KL (T = 1) of student vs teacher on the first `rows` held-out rows."""
     agree = kl = n = 0.0
+    w = model.lm_head.weight.float()
     for r in range(min(rows, len(data))):
         ids, mask = data.ids[r : r + 1], loss_mask(data.target[r : r + 1])[0]
         with autocast(bf16):
             lower = model.forward_lower(ids)
-            t = teacher_upper.forward_upper(lower, swiftkv=False).logits[0][mask].float()
-            s = model.forward_upper(lower, swiftkv=True).logits[0][mask].float()
+            t = teacher_upper.forward_upper_hidden(lower, swiftkv=False)[0][0][mask].float() @ w.T
+            s = model.forward_upper_hidden(lower, swiftkv=True)[0][0][mask].float() @ w.T
         agree += (t.argmax(-1) == s.argmax(-1)).sum().item()
         kl += F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), reduction="none", log_target=True).sum().item()
         n += mask.sum().item()
@@ -295,27 +345,36 @@ def _save_state(path: Path, step: int, trainable: dict, optimizer, scheduler, el
     os.replace(tmp, path)
 
 
+RESUME_KEYS = ("base", "data", "num_key_value_layers", "key_value_group_size", "loss", "train_scope", "batch_size", "seq_len", "seed", "max_steps", "init", "temperature", "hidden_weight", "lr")
+
+
 def _check_resume(out: Path, cfg: DistillConfig) -> None:
     run_file = out / "run.json"
     if not run_file.exists():
         return
     old = json.loads(run_file.read_text())
-    same = ("base", "data", "num_key_value_layers", "key_value_group_size", "loss", "train_scope", "batch_size", "seq_len", "seed", "max_steps", "init")
-    diff = {k: (old.get(k), getattr(cfg, k)) for k in same if old.get(k) != getattr(cfg, k)}
+    diff = {k: (old.get(k), getattr(cfg, k)) for k in RESUME_KEYS if old.get(k) != getattr(cfg, k)}
     if diff and (out / STATE_FILE).exists():
         raise DistillError(f"{out} holds a run with different settings {diff}; use another --out or delete it")
 
 
-def distill(cfg: DistillConfig) -> Path:
-    """Run (or resume) a distillation and write the SwiftKV checkpoint to cfg.out."""
-    from transformers import AutoTokenizer
-
+def _check_settings(cfg: DistillConfig) -> None:
     if cfg.loss not in ("kl", "lm"):
         raise DistillError(f"loss must be 'kl' or 'lm', got {cfg.loss!r}")
     if cfg.init not in ("snowflake", "lstsq"):
         raise DistillError(f"init must be 'snowflake' or 'lstsq', got {cfg.init!r}")
     if cfg.temperature <= 0 or cfg.max_steps < 1 or cfg.batch_size < 1:
         raise DistillError("temperature, max_steps and batch_size must be positive")
+    use_bf16(cfg.precision)
+
+
+def distill(cfg: DistillConfig) -> Path:
+    """Run (or resume) a distillation and write the SwiftKV checkpoint to cfg.out."""
+    from transformers import AutoTokenizer
+
+    from . import teacher_cache
+
+    _check_settings(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
@@ -329,6 +388,17 @@ def distill(cfg: DistillConfig) -> Path:
     _check_resume(out, cfg)
     (out / "run.json").write_text(json.dumps(asdict(cfg), indent=2))
 
+    # A run reads the first max_steps x batch_size rows (all of them if there are fewer), so a teacher cache
+    # needs only those, and cached and uncached runs see the same batches.
+    n_rows = min(len(data), cfg.max_steps * cfg.batch_size)
+    cache = None
+    if cfg.cache and not cfg.finalize:
+        if (Path(cfg.cache) / teacher_cache.META_FILE).exists():
+            cache = teacher_cache.open_cache(cfg.cache, cfg.base, data, cfg.num_key_value_layers)
+            if cache.rows < n_rows:
+                raise teacher_cache.CacheError(f"{cfg.cache} holds {cache.rows} rows, this run reads {n_rows} (max_steps x batch_size): build a larger cache")
+        else:
+            cache = teacher_cache.build(cfg.cache, cfg.base, data, [cfg.num_key_value_layers], n_rows, progress=cfg.progress)
     if cfg.init == "lstsq" and not (out / STATE_FILE).exists():  # a resumed run loads its tensors instead
         lstsq_init(model, data, cfg.init_tokens)
     trainable = trainable_parameters(model, cfg.train_scope)
@@ -353,27 +423,30 @@ def distill(cfg: DistillConfig) -> Path:
         if metrics_path.exists():
             kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step]
             metrics_path.write_text("".join(k + "\n" for k in kept))
+    elif cfg.finalize:
+        raise DistillError(f"finalize needs a saved state in {state_path}")
     elif metrics_path.exists():
         metrics_path.unlink()
 
     n_params = sum(p.numel() for p in trainable.values())
+    bf16 = use_bf16(cfg.precision)
+    last = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
     bar = None
-    if cfg.progress:
+    if cfg.progress and not cfg.finalize:
         from tqdm import tqdm
 
-        bar = tqdm(total=min(cfg.max_steps, cfg.stop_at or cfg.max_steps), initial=step, desc=f"distill l={cfg.num_key_value_layers} g={cfg.key_value_group_size}", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=last, initial=step, desc=f"distill l={cfg.num_key_value_layers} g={cfg.key_value_group_size}", unit="step", dynamic_ncols=True)
     metrics = open(metrics_path, "a")
-    if step == 0 and eval_data is not None and cfg.eval_every and not cfg.extra.get("finalize"):
-        metrics.write(json.dumps({"step": 0, "tokens": 0, **quick_eval(model, teacher_upper, eval_data, cfg.eval_rows, cfg.bf16)}) + "\n")
+    if step == 0 and eval_data is not None and cfg.eval_every and not cfg.finalize:
+        metrics.write(json.dumps({"step": 0, "tokens": 0, **quick_eval(model, teacher_upper, eval_data, cfg.eval_rows, bf16)}) + "\n")
         metrics.flush()
     model.train()
     t_run = time.perf_counter()
-    last = min(cfg.max_steps, cfg.stop_at or cfg.max_steps)
-    while step < last and not cfg.extra.get("finalize"):
+    while step < last and not cfg.finalize:
         t0 = time.perf_counter()
-        idx = batch_indices(step, len(data), cfg.batch_size, cfg.seed)
+        idx = batch_indices(step, n_rows, cfg.batch_size, cfg.seed)
         ids, target = data.ids[idx], data.target[idx]
-        terms = distill_step(model, teacher_upper, ids, target, cfg)
+        terms = distill_step(model, teacher_upper, ids, target, cfg, cache, idx)
         optimizer.zero_grad(set_to_none=True)
         terms["loss"].backward()
         optimizer.step()
@@ -388,7 +461,7 @@ def distill(cfg: DistillConfig) -> Path:
             rec.update({k: round(v.item(), 6) for k, v in terms.items()})
             if eval_data is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                 model.eval()
-                rec.update(quick_eval(model, teacher_upper, eval_data, cfg.eval_rows, cfg.bf16))
+                rec.update(quick_eval(model, teacher_upper, eval_data, cfg.eval_rows, bf16))
                 model.train()
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
@@ -397,13 +470,9 @@ def distill(cfg: DistillConfig) -> Path:
             bar.update(1)
         if step % cfg.checkpoint_every == 0 or step == last:
             _save_state(state_path, step, trainable, optimizer, scheduler, elapsed, tokens)
-        if cfg.extra.get("stop_after") and step >= cfg.extra["stop_after"]:
-            break  # tests: behave like a run killed right after this step
     if bar is not None:
         bar.close()
     metrics.close()
-    if step < last and not cfg.extra.get("finalize"):
-        return out
     model.eval()
     write_checkpoint(model, cfg.base, out, trainable)
     summary = {
@@ -414,6 +483,8 @@ def distill(cfg: DistillConfig) -> Path:
         "wall_seconds_this_session": round(time.perf_counter() - t_run, 1),
         "tokens_per_second": round(tokens / max(elapsed, 1e-9), 1),
         "trainable_parameters": n_params,
+        "precision": "bf16" if bf16 else "fp32",
+        "teacher_cache": cfg.cache,
         "peak_rss_mb": peak_rss_mb(),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -441,61 +512,3 @@ def write_checkpoint(model: LlamaSwiftKVForCausalLM, base: str | Path, out: Path
     tensors = {n: params[n].detach().contiguous() for n in names}
     (out / "trained").mkdir(exist_ok=True)
     save_file(tensors, out / "trained" / TRAINED_FILE, metadata={"format": "pt"})
-
-
-# --------------------------------------------------------------------------------------------------
-# Shipped trained tensors -> full checkpoint (the default model of the platform)
-
-WEIGHTS_DIR = Path(__file__).parent / "weights"
-DEFAULT_SWIFTKV_NAME = "smollm2-135m-instruct-swiftkv"
-
-
-def export_trained(run_dir: str | Path, dest: str | Path, recipe: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Copy a run's trained tensors to `dest` (.safetensors, stored in `dtype`) with a recipe .json beside it."""
-    from safetensors.torch import load_file, save_file
-
-    run_dir, dest = Path(run_dir), Path(dest)
-    tensors = load_file(run_dir / "trained" / TRAINED_FILE)
-    cfg = json.loads((run_dir / "config.json").read_text())
-    meta = {"num_key_value_layers": str(cfg["num_key_value_layers"]), "key_value_group_size": str(cfg["key_value_group_size"])}
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, dest, metadata={"format": "pt", **meta})
-    if recipe is not None:
-        dest.with_suffix(".json").write_text(json.dumps(recipe, indent=2) + "\n")
-    return dest
-
-
-def assemble_from_trained(base_dir: str | Path, tensors_path: str | Path, out_dir: str | Path) -> Path:
-    """A complete Snowflake-format SwiftKV checkpoint from a base model plus shipped trained tensors.
-
-    `convert` writes the undistilled checkpoint (base shards copied, SwiftKV tensors initialised), then the
-    SwiftKV shard is replaced by the trained tensors (stored in bf16, written in the base's dtype).
-    """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from .convert import SWIFTKV_SHARD, convert
-
-    tensors_path = Path(tensors_path)
-    if not tensors_path.exists():
-        raise DistillError(f"trained tensors {tensors_path} are missing")
-    with safe_open(tensors_path, "pt") as f:
-        meta = f.metadata() or {}
-        trained = {k: f.get_tensor(k) for k in f.keys()}
-    if "num_key_value_layers" not in meta:
-        raise DistillError(f"{tensors_path} has no num_key_value_layers in its metadata")
-    out = convert(str(base_dir), out_dir, int(meta["num_key_value_layers"]), int(meta.get("key_value_group_size", 1)))
-    with safe_open(out / SWIFTKV_SHARD, "pt") as f:
-        init = {k: f.get_tensor(k) for k in f.keys()}
-    if set(trained) != set(init):
-        raise DistillError(f"{tensors_path} does not match the SwiftKV layout: {sorted(set(trained) ^ set(init))[:4]}")
-    save_file({k: trained[k].to(init[k].dtype).contiguous() for k in init}, out / SWIFTKV_SHARD, metadata={"format": "pt"})
-    return out
-
-
-def build_default_swiftkv(out_dir: Path, models_dir: Path) -> None:
-    """models.py builder for `smollm2-135m-instruct-swiftkv`: base model (prepared if needed) + shipped tensors."""
-    from .models import prepare
-
-    base = prepare("smollm2-135m-instruct", models_dir)
-    assemble_from_trained(base, WEIGHTS_DIR / f"{DEFAULT_SWIFTKV_NAME}.safetensors", out_dir)

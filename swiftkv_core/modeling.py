@@ -145,8 +145,20 @@ class LlamaSwiftKVForCausalLM(PreTrainedModel):
             h = layer(h, cos, sin)
         return LowerState(h, cos, sin)
 
+    def lower_state(self, hidden: torch.Tensor) -> LowerState:
+        """The state after layer l-1 from a stored residual stream [B, T, d] (positions 0..T-1)."""
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        cos, sin = self.model.rotary_emb(hidden, positions)
+        return LowerState(hidden, cos, sin)
+
     def forward_upper(self, state: LowerState, swiftkv: bool, output_hidden_states: bool = False) -> SwiftKVOutput:
         """Layers l..L-1 in teacher or student mode, then the final norm and the LM head."""
+        final, hidden_states = self.forward_upper_hidden(state, swiftkv, output_hidden_states)
+        return SwiftKVOutput(logits=self.lm_head(final), hidden_states=hidden_states)
+
+    def forward_upper_hidden(self, state: LowerState, swiftkv: bool, output_hidden_states: bool = False):
+        """Layers l..L-1 and the final norm: the LM head's input (distillation applies the head to chosen rows
+        only), and the residual stream after each later layer if asked."""
         h, cos, sin = state.hidden, state.cos, state.sin
         kv_input = self.model.norm_swiftkv(h) if swiftkv else None
         shared_kv, hidden_states = None, []
@@ -157,8 +169,7 @@ class LlamaSwiftKVForCausalLM(PreTrainedModel):
             h = layer(h, cos, sin, swiftkv=swiftkv, kv=shared_kv if swiftkv else None)
             if output_hidden_states:
                 hidden_states.append(h)
-        logits = self.lm_head(self.model.norm(h))
-        return SwiftKVOutput(logits=logits, hidden_states=hidden_states if output_hidden_states else None)
+        return self.model.norm(h), (hidden_states if output_hidden_states else None)
 
     def forward(
         self,

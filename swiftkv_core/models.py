@@ -60,6 +60,13 @@ def _build_smollm2(out_dir: Path, models_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def _build_default_swiftkv(out_dir: Path, models_dir: Path) -> None:
+    """The base model (prepared if needed) plus the shipped trained tensors."""
+    from .shipped import DEFAULT_SWIFTKV_NAME, WEIGHTS_DIR, assemble_from_trained
+
+    assemble_from_trained(prepare("smollm2-135m-instruct", models_dir), WEIGHTS_DIR / f"{DEFAULT_SWIFTKV_NAME}.safetensors", out_dir)
+
+
 REGISTRY: dict[str, NamedModel] = {
     "smollm2-135m-instruct": NamedModel(
         "smollm2-135m-instruct",
@@ -69,7 +76,7 @@ REGISTRY: dict[str, NamedModel] = {
     "smollm2-135m-instruct-swiftkv": NamedModel(
         "smollm2-135m-instruct-swiftkv",
         "SmolLM2-135M-Instruct distilled for SwiftKV (l=15 of 30): base + shipped trained tensors (swiftkv_core/weights)",
-        lambda out_dir, models_dir: __import__("swiftkv_core.distill", fromlist=["x"]).build_default_swiftkv(out_dir, models_dir),
+        lambda out_dir, models_dir: _build_default_swiftkv(out_dir, models_dir),
     ),
 }
 

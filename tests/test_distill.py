@@ -16,6 +16,7 @@ from swiftkv_core.distill import (
     build_student,
     distill,
     distill_step,
+    head_kl,
     kl_loss,
     lstsq_init,
     trainable_parameters,
@@ -37,7 +38,7 @@ def train_text(tmp_path_factory) -> Path:
 
 
 def _cfg(base, out, data, **kw) -> DistillConfig:
-    defaults = dict(num_key_value_layers=4, max_steps=6, batch_size=2, seq_len=32, lr=1e-2, progress=False, checkpoint_every=3, bf16=False)
+    defaults = dict(num_key_value_layers=4, max_steps=6, batch_size=2, seq_len=32, lr=1e-2, progress=False, checkpoint_every=3, precision="fp32")
     defaults.update(kw)
     return DistillConfig(base=str(base), out=str(out), data=str(data), **defaults)
 
@@ -116,9 +117,7 @@ def test_a_few_steps_reduce_the_kl(tiny_base, train_text, tmp_path):
 def test_resume_continues_the_same_run(tiny_base, train_text, tmp_path):
     straight = distill(_cfg(tiny_base, tmp_path / "a", train_text))
     # "Kill" a run after its step-3 checkpoint by running only 3 steps of a 6-step schedule, then resume.
-    interrupted = _cfg(tiny_base, tmp_path / "b", train_text)
-    interrupted.extra["stop_after"] = 3
-    distill(interrupted)
+    distill(_cfg(tiny_base, tmp_path / "b", train_text, stop_at=3))
     assert len((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()) == 3
     resumed = distill(_cfg(tiny_base, tmp_path / "b", train_text))
     a = [json.loads(ln)["loss"] for ln in (straight / "metrics.jsonl").read_text().splitlines()]
@@ -182,7 +181,7 @@ def test_bad_inputs_give_clear_errors(tiny_base, tiny_swiftkv, train_text, tmp_p
 
 
 def test_shipped_tensors_rebuild_the_trained_checkpoint(tiny_base, train_text, tmp_path):
-    from swiftkv_core.distill import assemble_from_trained, export_trained
+    from swiftkv_core.shipped import ShippedError, assemble_from_trained, export_trained
 
     run = distill(_cfg(tiny_base, tmp_path / "run", train_text, max_steps=2, key_value_group_size=2))
     shipped = export_trained(run, tmp_path / "ship" / "tiny.safetensors", recipe={"command": "swiftkv distill ..."})
@@ -196,18 +195,16 @@ def test_shipped_tensors_rebuild_the_trained_checkpoint(tiny_base, train_text, t
     # bf16 storage of the trained tensors: same predictions, logits within rounding.
     assert torch.equal(la.argmax(-1), lb.argmax(-1))
     assert (la - lb).abs().max().item() < 0.05 * la.abs().max().item()
-    with pytest.raises(DistillError, match="missing"):
+    with pytest.raises(ShippedError, match="missing"):
         assemble_from_trained(tiny_base, tmp_path / "nope.safetensors", tmp_path / "x")
 
 
 def test_finalize_writes_the_checkpoint_of_a_stopped_run(tiny_base, train_text, tmp_path):
-    stopped = _cfg(tiny_base, tmp_path / "run", train_text)
-    stopped.extra["stop_after"] = 3
-    distill(stopped)
-    assert not (tmp_path / "run" / "config.json").exists()
-    final = _cfg(tiny_base, tmp_path / "run", train_text)
-    final.extra["finalize"] = True
-    out = distill(final)
+    distill(_cfg(tiny_base, tmp_path / "run", train_text, stop_at=3))
+    for f in (tmp_path / "run").glob("*.safetensors"):  # as if the run had been killed after its step-3 save
+        f.unlink()
+    (tmp_path / "run" / "config.json").unlink()
+    out = distill(_cfg(tiny_base, tmp_path / "run", train_text, finalize=True))
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
     assert load_model(str(out)).config.num_key_value_layers == 4
 
@@ -219,3 +216,87 @@ def test_stop_at_ends_early_on_the_same_schedule(tiny_base, train_text, tmp_path
     b = [json.loads(ln) for ln in (early / "metrics.jsonl").read_text().splitlines()]
     assert len(b) == 3 and [r["lr"] for r in b] == [r["lr"] for r in a[:3]]
     assert json.loads((early / "summary.json").read_text())["steps"] == 3 and (early / "config.json").exists()
+
+
+def test_head_kl_matches_full_logits_in_value_and_gradient():
+    torch.manual_seed(0)
+    w = torch.randn(300, 16)
+    t = torch.randn(10, 16)
+    s1 = torch.randn(10, 16, requires_grad=True)
+    s2 = s1.detach().clone().requires_grad_(True)
+    for temp in (1.0, 2.0):
+        fused = head_kl(s1, t, w, temp, chunk=3)  # chunks that do not divide the rows
+        full = kl_loss(s2 @ w.T, t @ w.T, torch.ones(10, dtype=torch.bool), temp)
+        assert fused.item() == pytest.approx(full.item(), rel=1e-5)
+        (g1,) = torch.autograd.grad(fused, s1)
+        (g2,) = torch.autograd.grad(full, s2)
+        assert torch.allclose(g1, g2, atol=1e-6, rtol=1e-4)
+    assert head_kl(t, t, w, 2.0).item() == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_a_cached_step_gives_the_uncached_loss_and_gradients(tiny_base, train_text, tmp_path, group):
+    from transformers import AutoTokenizer
+
+    from swiftkv_core import teacher_cache
+    from swiftkv_core.data import load_packed
+
+    data = load_packed(train_text, AutoTokenizer.from_pretrained(tiny_base), 32)
+    cache = teacher_cache.build(tmp_path / "cache", tiny_base, data, [4, 6], rows=len(data), progress=False)
+    idx = torch.tensor([3, 0, 5])
+    ids, target = data.ids[idx], data.target[idx]
+    for hidden_weight in (0.0, 0.5):
+        cfg = _cfg(tiny_base, "unused", train_text, key_value_group_size=group, hidden_weight=hidden_weight)
+        grads = []
+        for use_cache in (False, True):
+            model = build_student(tiny_base, 4, group)
+            params = trainable_parameters(model, "swiftkv")
+            terms = distill_step(model, model, ids, target, cfg, cache if use_cache else None, idx)
+            terms["loss"].backward()
+            grads.append((terms, {n: p.grad.clone() for n, p in params.items()}))
+        (a, ga), (b, gb) = grads
+        for k in a:
+            assert b[k].item() == pytest.approx(a[k].item(), rel=1e-5, abs=1e-7), k
+        for n in ga:
+            assert torch.allclose(ga[n], gb[n], rtol=1e-4, atol=1e-7), n
+
+
+def test_cache_is_resumable_and_refuses_other_data(tiny_base, train_text, tmp_path):
+    from transformers import AutoTokenizer
+
+    from swiftkv_core import teacher_cache
+    from swiftkv_core.data import load_packed
+
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    data = load_packed(train_text, tok, 32)
+    whole = teacher_cache.build(tmp_path / "whole", tiny_base, data, [4], rows=8, batch=8, progress=False)
+    # A build interrupted after its first batch resumes where it stopped and ends with the same bytes.
+    part = teacher_cache.build(tmp_path / "part", tiny_base, data, [4], rows=8, batch=3, progress=False)
+    meta = json.loads((tmp_path / "part" / "meta.json").read_text())
+    meta["rows_done"] = 3
+    (tmp_path / "part" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(teacher_cache.CacheError, match="partial"):
+        teacher_cache.open_cache(tmp_path / "part", tiny_base, data, 4)
+    teacher_cache.build(tmp_path / "part", tiny_base, data, [4], rows=8, batch=3, progress=False)
+    idx = torch.arange(8)
+    assert torch.equal(whole.hidden(4, idx), part.hidden(4, idx)) and torch.equal(whole.final(idx), part.final(idx))
+    with pytest.raises(teacher_cache.CacheError, match="not 5"):
+        teacher_cache.open_cache(tmp_path / "whole", tiny_base, data, 5)
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT[::-1])
+    with pytest.raises(teacher_cache.CacheError, match="other data"):
+        teacher_cache.open_cache(tmp_path / "whole", tiny_base, load_packed(other, tok, 32), 4)
+    with pytest.raises(teacher_cache.CacheError, match="other settings"):
+        teacher_cache.build(tmp_path / "whole", tiny_base, data, [4, 5], rows=8, progress=False)
+
+
+def test_a_cached_run_matches_the_uncached_run_and_resumes_exactly(tiny_base, train_text, tmp_path):
+    plain = distill(_cfg(tiny_base, tmp_path / "plain", train_text))
+    cached = distill(_cfg(tiny_base, tmp_path / "cached", train_text, cache=str(tmp_path / "cache")))
+    distill(_cfg(tiny_base, tmp_path / "resumed", train_text, cache=str(tmp_path / "cache"), stop_at=3))
+    resumed = distill(_cfg(tiny_base, tmp_path / "resumed", train_text, cache=str(tmp_path / "cache")))
+    loss = {run: [json.loads(ln)["loss"] for ln in (run / "metrics.jsonl").read_text().splitlines()] for run in (plain, cached, resumed)}
+    assert len(loss[plain]) == 6
+    assert loss[cached] == pytest.approx(loss[plain], rel=1e-4)
+    assert loss[resumed] == pytest.approx(loss[cached], rel=1e-5)
+    assert json.loads((cached / "summary.json").read_text())["teacher_cache"] == str(tmp_path / "cache")

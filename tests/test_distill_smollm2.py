@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from swiftkv_core.distill import DEFAULT_SWIFTKV_NAME, WEIGHTS_DIR
+from swiftkv_core.shipped import DEFAULT_SWIFTKV_NAME, WEIGHTS_DIR
 
 SHIPPED = WEIGHTS_DIR / f"{DEFAULT_SWIFTKV_NAME}.safetensors"
 
@@ -23,7 +23,7 @@ def test_shipped_tensors_are_small_and_documented():
 def test_default_swiftkv_model_assembles_and_answers(smollm2_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from swiftkv_core.distill import assemble_from_trained
+    from swiftkv_core.shipped import assemble_from_trained
     from swiftkv_core.modeling import load_model
 
     out = assemble_from_trained(smollm2_dir, SHIPPED, tmp_path / DEFAULT_SWIFTKV_NAME)

@@ -1,0 +1,63 @@
+"""Shipped trained tensors: a run's SwiftKV tensors alone (a few MB), and the full checkpoint rebuilt from
+them plus the base model. The platform's default SwiftKV model is built this way (`swiftkv models prepare`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TRAINED_FILE = "swiftkv-trained.safetensors"  # a run's trained tensors, in OUT/trained/
+
+
+class ShippedError(ValueError):
+    """Missing or mismatched shipped tensors; the message says which file."""
+
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+DEFAULT_SWIFTKV_NAME = "smollm2-135m-instruct-swiftkv"
+
+
+def export_trained(run_dir: str | Path, dest: str | Path, recipe: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Copy a run's trained tensors to `dest` (.safetensors, stored in `dtype`) with a recipe .json beside it."""
+    from safetensors.torch import load_file, save_file
+
+    run_dir, dest = Path(run_dir), Path(dest)
+    tensors = load_file(run_dir / "trained" / TRAINED_FILE)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    meta = {"num_key_value_layers": str(cfg["num_key_value_layers"]), "key_value_group_size": str(cfg["key_value_group_size"])}
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, dest, metadata={"format": "pt", **meta})
+    if recipe is not None:
+        dest.with_suffix(".json").write_text(json.dumps(recipe, indent=2) + "\n")
+    return dest
+
+
+def assemble_from_trained(base_dir: str | Path, tensors_path: str | Path, out_dir: str | Path) -> Path:
+    """A complete Snowflake-format SwiftKV checkpoint from a base model plus shipped trained tensors.
+
+    `convert` writes the undistilled checkpoint (base shards copied, SwiftKV tensors initialised), then the
+    SwiftKV shard is replaced by the trained tensors (stored in bf16, written in the base's dtype).
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from .convert import SWIFTKV_SHARD, convert
+
+    tensors_path = Path(tensors_path)
+    if not tensors_path.exists():
+        raise ShippedError(f"trained tensors {tensors_path} are missing")
+    with safe_open(tensors_path, "pt") as f:
+        meta = f.metadata() or {}
+        trained = {k: f.get_tensor(k) for k in f.keys()}
+    if "num_key_value_layers" not in meta:
+        raise ShippedError(f"{tensors_path} has no num_key_value_layers in its metadata")
+    out = convert(str(base_dir), out_dir, int(meta["num_key_value_layers"]), int(meta.get("key_value_group_size", 1)))
+    with safe_open(out / SWIFTKV_SHARD, "pt") as f:
+        init = {k: f.get_tensor(k) for k in f.keys()}
+    if set(trained) != set(init):
+        raise ShippedError(f"{tensors_path} does not match the SwiftKV layout: {sorted(set(trained) ^ set(init))[:4]}")
+    save_file({k: trained[k].to(init[k].dtype).contiguous() for k in init}, out / SWIFTKV_SHARD, metadata={"format": "pt"})
+    return out
