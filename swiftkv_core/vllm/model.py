@@ -241,7 +241,7 @@ class SwiftKVLlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config)
         layers: list[nn.Module] = [LlamaDecoderLayer(vllm_config=vllm_config, prefix=f"{prefix}.layers.{i}") for i in range(l)]
         for i in range(l, L):
-            leader = l + (i - l) // g * g
+            leader = config.kv_group_leader(i)
             target = None if leader == i else _attn_name(leader, prefix)
             layers.append(SwiftKVDecoderLayer(vllm_config, f"{prefix}.layers.{i}", target))
         self.layers = nn.ModuleList(layers)
