@@ -91,6 +91,26 @@ class LimitsConfig(StrictModel):
     output_tokens_per_minute: int | None = Field(None, ge=1)
 
 
+class BatchConfig(StrictModel):
+    """The Batch API's runner: how hard batch work may push the pools, and for how long a batch may run."""
+
+    completion_window_seconds: float = Field(86400.0, gt=0, description="what completion_window '24h' means (shorter for tests)")
+    max_in_flight: int = Field(8, ge=1, description="batch requests in flight per pool when no live request waits")
+    min_in_flight: int = Field(1, ge=0, description="floor of the bound: each live request waiting for its first token takes one slot away down to this")
+    priority: int = Field(10, description="vLLM priority of batch requests (live: 0; lower runs first; used by engines with scheduling_policy=priority)")
+    max_active_batches: int = Field(4, ge=1, description="batches one gateway process works at once")
+    max_lines: int = Field(50_000, ge=1)
+    max_file_bytes: int = Field(200_000_000, ge=1024, description="largest uploaded file")
+    lease_seconds: float = Field(30.0, gt=0, description="a batch whose holder stops renewing is taken over after this")
+    poll_seconds: float = Field(1.0, gt=0, description="how often idle runners look for work")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "BatchConfig":
+        if self.min_in_flight > self.max_in_flight:
+            raise ValueError(f"batch.min_in_flight ({self.min_in_flight}) must be <= batch.max_in_flight ({self.max_in_flight})")
+        return self
+
+
 class PlatformConfig(StrictModel):
     model: str = "swiftkv"
     host: str = "127.0.0.1"
@@ -100,6 +120,9 @@ class PlatformConfig(StrictModel):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     api_keys_file: str | None = Field(None, description="file of API keys (one per line, plain or sha256:<hex>)")
     ray_address: str | None = Field(None, description="Ray cluster to join; default: start a local one")
+    data_dir: str = Field("~/.local/share/swiftkv", description="batch files and the embedded SQLite database")
+    database_url: str | None = Field(None, description="SQLAlchemy URL of the batch store (postgresql://...); default: SQLite in data_dir")
+    batch: BatchConfig = Field(default_factory=BatchConfig)
 
     @model_validator(mode="after")
     def _pools(self) -> "PlatformConfig":

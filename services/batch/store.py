@@ -1,0 +1,247 @@
+"""The Batch API's durable state behind one narrow interface: file records, batches, and one row per
+finished line. SQLAlchemy 2 Core, the same code on an embedded SQLite file and on PostgreSQL.
+
+Exactly-once: a line's result is keyed by (batch, line), and the batch's counters move in the same
+transaction as the insert, so a line counts once however many workers served it. A batch is worked by
+the holder of its lease (claimed with FOR UPDATE SKIP LOCKED where the database has it, and always by a
+compare-and-set on the lease's expiry), and taken over when the holder stops renewing it.
+
+Every method is synchronous and short; async callers run them in a thread.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any, Iterator
+
+from sqlalchemy import (JSON, BigInteger, Boolean, Column, Float, Integer, MetaData, String, Table, Text, and_, create_engine, event,
+                        func, insert, or_, select, text, update)
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import IntegrityError
+
+metadata = MetaData()
+
+files = Table(
+    "swiftkv_files", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("owner", String(64), nullable=False, index=True),
+    Column("purpose", String(32), nullable=False),
+    Column("filename", String(512), nullable=False),
+    Column("bytes", BigInteger, nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+)
+
+batches = Table(
+    "swiftkv_batches", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("owner", String(64), nullable=False, index=True),
+    Column("endpoint", String(64), nullable=False),
+    Column("input_file_id", String(64), nullable=False, index=True),
+    Column("completion_window", String(16), nullable=False),
+    Column("metadata", JSON),
+    Column("status", String(16), nullable=False, index=True),
+    Column("errors", JSON),
+    Column("output_file_id", String(64)),
+    Column("error_file_id", String(64)),
+    *(Column(f"{t}_at", BigInteger) for t in ("created", "in_progress", "expires", "finalizing", "completed", "failed",
+                                              "expired", "cancelling", "cancelled")),
+    Column("total", Integer, nullable=False, default=0),
+    Column("completed", Integer, nullable=False, default=0),
+    Column("failed", Integer, nullable=False, default=0),
+    Column("prompt_tokens", BigInteger, nullable=False, default=0),
+    Column("completion_tokens", BigInteger, nullable=False, default=0),
+    Column("lease_owner", String(128)),
+    Column("lease_until", Float),
+)
+
+results = Table(
+    "swiftkv_batch_results", metadata,
+    Column("batch_id", String(64), primary_key=True),
+    Column("line", Integer, primary_key=True),  # 1-based line number in the input file
+    Column("custom_id", String(512), nullable=False),
+    Column("ok", Boolean, nullable=False),
+    Column("status_code", Integer, nullable=False),
+    Column("request_id", String(64), nullable=False),
+    Column("body", Text, nullable=False),  # the JSON response or error body, as served
+)
+
+# Statuses a runner still has work for; the others are final.
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+FINAL = ("failed", "completed", "expired", "cancelled")
+
+
+def new_id(prefix: str) -> str:
+    """Ids that sort by creation time (fixed-width hex nanoseconds), so pagination can order by id."""
+    return f"{prefix}{time.time_ns():016x}{secrets.token_hex(4)}"
+
+
+def normalize_url(url: str) -> str:
+    """postgresql:// means psycopg 3 (the driver we ship), not SQLAlchemy's default psycopg2."""
+    for scheme in ("postgresql://", "postgres://"):
+        if url.startswith(scheme):
+            return "postgresql+psycopg://" + url[len(scheme):]
+    return url
+
+
+class BatchStore:
+    def __init__(self, url: str):
+        self.url = make_url(normalize_url(url))
+        self.sqlite = self.url.get_backend_name() == "sqlite"
+        if self.sqlite:
+            # Several threads (and processes) write one file: wait for locks instead of failing.
+            self.engine: Engine = create_engine(self.url, connect_args={"timeout": 30})
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        else:
+            self.engine = create_engine(self.url, pool_pre_ping=True)
+        with self.engine.begin() as conn:
+            if not self.sqlite:  # gateways starting together must not race to create the tables
+                conn.execute(text("SELECT pg_advisory_xact_lock(7263514)"))
+            metadata.create_all(conn)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---- files -----------------------------------------------------------------------------------
+    def add_file(self, record: dict) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(insert(files).values(**record))
+
+    def get_file(self, owner: str, file_id: str) -> dict | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(files).where(files.c.id == file_id, files.c.owner == owner)).mappings().first()
+        return dict(row) if row else None
+
+    def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int, descending: bool) -> tuple[list[dict], bool]:
+        q = select(files).where(files.c.owner == owner)
+        if purpose:
+            q = q.where(files.c.purpose == purpose)
+        if after:
+            q = q.where(files.c.id < after if descending else files.c.id > after)
+        q = q.order_by(files.c.id.desc() if descending else files.c.id).limit(limit + 1)
+        with self.engine.connect() as conn:
+            rows = [dict(r) for r in conn.execute(q).mappings()]
+        return rows[:limit], len(rows) > limit
+
+    def file_in_use(self, file_id: str) -> bool:
+        """An input file of a batch that is still running."""
+        q = select(func.count()).select_from(batches).where(batches.c.input_file_id == file_id, batches.c.status.in_(ACTIVE))
+        with self.engine.connect() as conn:
+            return conn.execute(q).scalar_one() > 0
+
+    def delete_file(self, owner: str, file_id: str) -> bool:
+        with self.engine.begin() as conn:
+            return conn.execute(files.delete().where(files.c.id == file_id, files.c.owner == owner)).rowcount == 1
+
+    # ---- batches ---------------------------------------------------------------------------------
+    def add_batch(self, record: dict) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(insert(batches).values(**record))
+
+    def get_batch(self, owner: str | None, batch_id: str) -> dict | None:
+        q = select(batches).where(batches.c.id == batch_id)
+        if owner is not None:
+            q = q.where(batches.c.owner == owner)
+        with self.engine.connect() as conn:
+            row = conn.execute(q).mappings().first()
+        return dict(row) if row else None
+
+    def list_batches(self, owner: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        """Newest first, like OpenAI; `after` is the last id of the previous page."""
+        q = select(batches).where(batches.c.owner == owner)
+        if after:
+            q = q.where(batches.c.id < after)
+        q = q.order_by(batches.c.id.desc()).limit(limit + 1)
+        with self.engine.connect() as conn:
+            rows = [dict(r) for r in conn.execute(q).mappings()]
+        return rows[:limit], len(rows) > limit
+
+    def request_cancel(self, owner: str, batch_id: str, now: int) -> dict | None:
+        """validating / in_progress -> cancelling; other statuses are left as they are (the caller says why)."""
+        with self.engine.begin() as conn:
+            conn.execute(update(batches).where(batches.c.id == batch_id, batches.c.owner == owner,
+                                               batches.c.status.in_(("validating", "in_progress")))
+                         .values(status="cancelling", cancelling_at=now))
+        return self.get_batch(owner, batch_id)
+
+    # ---- the runner's side -----------------------------------------------------------------------
+    def claim(self, worker: str, lease_seconds: float) -> dict | None:
+        """Take the lease of one active batch nobody holds (or whose holder stopped renewing)."""
+        now = time.time()
+        free = or_(batches.c.lease_until.is_(None), batches.c.lease_until < now)
+        with self.engine.begin() as conn:
+            row = conn.execute(select(batches.c.id).where(batches.c.status.in_(ACTIVE), free)
+                               .order_by(batches.c.id).limit(1).with_for_update(skip_locked=True)).first()
+            if row is None:
+                return None
+            taken = conn.execute(update(batches).where(batches.c.id == row.id, free)
+                                 .values(lease_owner=worker, lease_until=now + lease_seconds)).rowcount
+            if taken != 1:
+                return None
+        return self.get_batch(None, row.id)
+
+    def renew(self, batch_id: str, worker: str, lease_seconds: float) -> dict | None:
+        """Extend the lease; None when it was lost (taken over), else the batch as it is now."""
+        with self.engine.begin() as conn:
+            held = conn.execute(update(batches).where(batches.c.id == batch_id, batches.c.lease_owner == worker)
+                                .values(lease_until=time.time() + lease_seconds)).rowcount
+        return self.get_batch(None, batch_id) if held == 1 else None
+
+    def release(self, batch_id: str, worker: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(update(batches).where(batches.c.id == batch_id, batches.c.lease_owner == worker)
+                         .values(lease_owner=None, lease_until=None))
+
+    def update_held(self, batch_id: str, worker: str, **values: Any) -> bool:
+        """Change a batch this worker holds (status, timestamps, errors, files); False when the lease is gone."""
+        with self.engine.begin() as conn:
+            return conn.execute(update(batches).where(batches.c.id == batch_id, batches.c.lease_owner == worker)
+                                .values(**values)).rowcount == 1
+
+    def done_lines(self, batch_id: str) -> set[int]:
+        with self.engine.connect() as conn:
+            return set(conn.execute(select(results.c.line).where(results.c.batch_id == batch_id)).scalars())
+
+    def record(self, batch_id: str, line: int, custom_id: str, status_code: int, request_id: str, body: dict) -> bool:
+        """Commit one finished line and count it; False if the line was already recorded (not counted again)."""
+        ok = status_code == 200
+        usage = body.get("usage") if ok and isinstance(body.get("usage"), dict) else {}
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(insert(results).values(batch_id=batch_id, line=line, custom_id=custom_id, ok=ok,
+                                                    status_code=status_code, request_id=request_id,
+                                                    body=json.dumps(body, separators=(",", ":"))))
+                counter = batches.c.completed if ok else batches.c.failed
+                conn.execute(update(batches).where(batches.c.id == batch_id).values({
+                    counter: counter + 1,
+                    batches.c.prompt_tokens: batches.c.prompt_tokens + int(usage.get("prompt_tokens", 0)),
+                    batches.c.completion_tokens: batches.c.completion_tokens + int(usage.get("completion_tokens", 0)),
+                }))
+            return True
+        except IntegrityError:
+            return False
+
+    def results(self, batch_id: str) -> Iterator[dict]:
+        """Finished lines in input order."""
+        with self.engine.connect() as conn:
+            for row in conn.execute(select(results).where(results.c.batch_id == batch_id).order_by(results.c.line)).mappings():
+                yield dict(row)
+
+    def finish(self, batch_id: str, worker: str, values: dict, new_files: list[dict]) -> bool:
+        """Final status and its output files in one transaction, by the lease holder only."""
+        with self.engine.connect() as conn:
+            for record in new_files:  # ids are derived from the batch: a repeated finish replaces them
+                conn.execute(files.delete().where(files.c.id == record["id"]))
+                conn.execute(insert(files).values(**record))
+            done = conn.execute(update(batches).where(and_(batches.c.id == batch_id, batches.c.lease_owner == worker))
+                                .values(**values, lease_owner=None, lease_until=None)).rowcount == 1
+            conn.commit() if done else conn.rollback()
+            return done
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer; commits stay durable (synchronous=FULL)
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
