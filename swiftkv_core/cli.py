@@ -328,22 +328,35 @@ def distill_cache_command(
 def eval_command(
     teacher: Annotated[Path, typer.Option(help="Teacher folder (base Llama, or SwiftKV run with SwiftKV off)")],
     student: Annotated[Path, typer.Option(help="SwiftKV checkpoint folder")],
-    text: Annotated[Path, typer.Option(help="Held-out text: .txt, .jsonl or a folder")],
+    text: Annotated[Path, typer.Option(help="Held-out text: .txt, .jsonl or a folder (every task draws from it)")],
     seq_len: Annotated[int, typer.Option(help="Tokens per packed sequence")] = 512,
     max_tokens: Annotated[int, typer.Option(help="Evaluate at most this many tokens")] = 65536,
-    num_prompts: Annotated[int, typer.Option(help="Prompts for greedy-generation agreement (0 = skip)")] = 16,
-    gen_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt")] = 32,
+    num_prompts: Annotated[int, typer.Option(help="Short prompts for greedy-generation agreement (0 = skip)")] = 16,
+    gen_tokens: Annotated[int, typer.Option(help="Tokens generated per short prompt")] = 32,
+    long_docs: Annotated[int, typer.Option(help="Long documents for the long-prompt task: summary / question (0 = skip)")] = 8,
+    long_min_tokens: Annotated[int, typer.Option(help="Shortest long document, tokens")] = 1000,
+    long_max_tokens: Annotated[int, typer.Option(help="Longest long document, tokens")] = 2000,
+    answer_tokens: Annotated[int, typer.Option(help="Most answer tokens per long document (stops at EOS)")] = 48,
     threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
     json: AsJson = False,
+    json_out: Annotated[Path | None, typer.Option(help="Also write the metrics as JSON to this file")] = None,
 ) -> None:
-    """Top-1 agreement, KL and perplexities of a SwiftKV student against its teacher."""
+    """Top-1 agreement, KL and perplexities of a SwiftKV student against its teacher, greedy agreement on
+    short prompts, and teacher-forced agreement, ROUGE-L and exact match of answers to long prompts."""
+    import json as jsonlib
+
     from .data import DataError
     from .evaluate import EvalError, evaluate
 
     try:
-        result = evaluate(teacher, student, text, seq_len, max_tokens, num_prompts, gen_tokens, threads=threads)
+        result = evaluate(teacher, student, text, seq_len, max_tokens, num_prompts, gen_tokens, threads=threads,
+                          long_docs=long_docs, long_min_tokens=long_min_tokens, long_max_tokens=long_max_tokens,
+                          answer_tokens=answer_tokens)
     except (EvalError, DataError, OSError) as e:
         fail(str(e))
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(jsonlib.dumps(result, indent=2) + "\n")
     if json:
         return _print_json(result)
     _print_table("SwiftKV student vs teacher", ["metric", "value"], [[k, f"{v:.4f}" if isinstance(v, float) else str(v)] for k, v in result.items()])

@@ -14,7 +14,7 @@ exactly the logits an engine produces when prompt tokens skip the later layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +60,9 @@ class SwiftKVAttention(nn.Module):
     def forward(self, x, cos, sin, swiftkv: bool, kv: tuple[torch.Tensor, torch.Tensor] | None = None):
         q = _rope(self._heads((self.q_proj_swiftkv if swiftkv else self.q_proj)(x), self.num_heads), cos, sin)
         k, v = kv if kv is not None else self.project_kv(x, cos, sin, swiftkv=False)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
+        # Several queries: a prefix without past (causal). One query after a cache: it sees every key.
+        causal = q.shape[2] > 1
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=self.num_kv_heads != self.num_heads)
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -103,6 +105,21 @@ class LowerState:
     hidden: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+
+
+@dataclass
+class KVCache:
+    """K/V of the tokens seen so far, per layer ([B, kv_heads, T, D]); in student mode the later layers keep
+    one entry per AcrossKV group, under the group leader's index."""
+
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    length: int = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.kv:
+            k, v = torch.cat((self.kv[layer][0], k), dim=2), torch.cat((self.kv[layer][1], v), dim=2)
+        self.kv[layer] = (k, v)
+        return k, v
 
 
 @dataclass
@@ -183,19 +200,54 @@ class LlamaSwiftKVForCausalLM(PreTrainedModel):
         swiftkv = self.config.swiftkv if swiftkv is None else swiftkv
         return self.forward_upper(self.forward_lower(input_ids, position_ids), swiftkv, output_hidden_states)
 
+    def forward_cached(self, input_ids: torch.Tensor, cache: KVCache, swiftkv: bool) -> torch.Tensor:
+        """Logits of new tokens given `cache` (K/V of every earlier token; updated in place): the whole prompt
+        on an empty cache (prefill), then one token per call. Same layers as forward_lower + forward_upper:
+        student K/V of the later layers come from norm_swiftkv(h_{l-1}) of each new token."""
+        t = input_ids.shape[1]
+        if cache.length and t != 1:
+            raise ValueError("after the prefill, forward_cached takes one token per call")
+        positions = torch.arange(cache.length, cache.length + t, device=input_ids.device).unsqueeze(0)
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(h, positions)
+        l = self.num_key_value_layers
+        for i, layer in enumerate(self.model.layers):
+            student = swiftkv and i >= l
+            if student and i == l:
+                kv_input = self.model.norm_swiftkv(h)
+            if not student:
+                kv = cache.append(i, *layer.self_attn.project_kv(layer.input_layernorm(h), cos, sin, swiftkv=False))
+            elif self.config.kv_group_leader(i) == i:
+                kv = cache.append(i, *layer.self_attn.project_kv(kv_input, cos, sin, swiftkv=True))
+            h = layer(h, cos, sin, swiftkv=student, kv=kv)
+        cache.length += t
+        return self.lm_head(self.model.norm(h))
+
     def swiftkv_parameters(self) -> dict[str, nn.Parameter]:
         """The parameters distillation trains: norm_swiftkv and every *_proj_swiftkv."""
         return {n: p for n, p in self.named_parameters() if "swiftkv" in n.split(".")[-2]}
 
     @torch.no_grad()
     def greedy_generate(
-        self, prompt_ids: list[int], max_new_tokens: int, swiftkv: bool | None = None, eos_token_id: int | None = None
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        swiftkv: bool | None = None,
+        eos_token_id: int | None = None,
+        use_cache: bool = True,
     ) -> list[int]:
-        """Greedy decoding without a KV cache (re-runs the prefix): slow, simple, obviously right."""
+        """Greedy decoding: with a KV cache (prefill once, then one token per step), or without one
+        (`use_cache=False` re-runs the whole prefix per token: slow, the reference the cache is tested against)."""
+        swiftkv = self.config.swiftkv if swiftkv is None else swiftkv
         ids = list(prompt_ids)
         device = self.model.embed_tokens.weight.device
+        cache = KVCache()
         for _ in range(max_new_tokens):
-            logits = self(torch.tensor([ids], device=device), swiftkv=swiftkv).logits[0, -1]
+            if not use_cache:
+                logits = self(torch.tensor([ids], device=device), swiftkv=swiftkv).logits[0, -1]
+            else:
+                new = ids if cache.length == 0 else ids[-1:]
+                logits = self.forward_cached(torch.tensor([new], device=device), cache, swiftkv)[0, -1]
             next_id = int(torch.argmax(logits))
             ids.append(next_id)
             if eos_token_id is not None and next_id == eos_token_id:

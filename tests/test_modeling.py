@@ -1,5 +1,6 @@
 """The reference model: teacher == stock transformers Llama, student layout == Snowflake's format."""
 
+import pytest
 import torch
 from transformers import LlamaForCausalLM
 
@@ -93,3 +94,43 @@ def test_greedy_generate_matches_argmax_of_forward(tiny_swiftkv):
     with torch.no_grad():
         first = int(model(torch.tensor([prompt]), swiftkv=True).logits[0, -1].argmax())
     assert len(out) == 3 and out[0] == first
+
+
+def _perturbed(path):
+    """A student that differs from its teacher: noise on every SwiftKV tensor (as after distillation)."""
+    model = load_model(str(path))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.swiftkv_parameters().values():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def test_cached_greedy_equals_uncached_token_for_token(tiny_swiftkv, tiny_swiftkv_across):
+    prompts = [[5, 17, 42, 7], list(range(40, 90)), [3]]
+    for path in (tiny_swiftkv, tiny_swiftkv_across):
+        model = _perturbed(path)
+        for swiftkv in (False, True):
+            for prompt in prompts:
+                cached = model.greedy_generate(prompt, 12, swiftkv=swiftkv)
+                assert cached == model.greedy_generate(prompt, 12, swiftkv=swiftkv, use_cache=False), (path, swiftkv, prompt)
+                assert len(cached) == 12
+        # The noise makes the student's answers differ from the teacher's somewhere, so both modes were exercised.
+        assert any(model.greedy_generate(p, 12, swiftkv=True) != model.greedy_generate(p, 12, swiftkv=False) for p in prompts)
+
+
+def test_cached_logits_match_the_full_forward(tiny_swiftkv_across):
+    from swiftkv_core.modeling import KVCache
+
+    model = _perturbed(tiny_swiftkv_across)
+    ids = _ids(1, 20)
+    with torch.no_grad():
+        for swiftkv in (False, True):
+            full = model(ids, swiftkv=swiftkv).logits[0]
+            cache = KVCache()
+            steps = [model.forward_cached(ids[:, :12], cache, swiftkv)[0]]
+            steps += [model.forward_cached(ids[:, t : t + 1], cache, swiftkv)[0] for t in range(12, 20)]
+            assert torch.allclose(torch.cat(steps), full, atol=2e-4, rtol=1e-4)  # prefill vs one-token matmuls: float noise
+            assert cache.length == 20 and len(cache.kv) == (8 if not swiftkv else 4 + 2)
+            with pytest.raises(ValueError, match="one token per call"):
+                model.forward_cached(ids[:, :2], cache, swiftkv)
