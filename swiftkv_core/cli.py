@@ -53,11 +53,13 @@ def models_prepare_command(
 
 @models_app.command("list")
 def models_list_command() -> None:
-    """Show the models `prepare` knows."""
-    from .models import REGISTRY
+    """Show the models `prepare` knows, with each shipped SwiftKV model's layout, quality and speed-up."""
+    from .models import REGISTRY, model_card
 
     for model in REGISTRY.values():
         typer.echo(f"{model.name:36s} {model.description}")
+        if card := model_card(model.name):
+            typer.echo(f"{'':36s} {card}")
 
 
 analyze_app = typer.Typer(no_args_is_help=True, help="What SwiftKV saves: FLOPs, KV bytes, layer similarity.")
@@ -216,6 +218,7 @@ def register_core_commands(app: typer.Typer) -> None:
     app.add_typer(models_app, name="models")
     from .vllm.bench import bench_app  # typer only; vLLM is imported when a benchmark runs
 
+    bench_app.command("distill")(bench_distill_command)
     app.add_typer(bench_app, name="bench")
     register_training_commands(app)
 
@@ -323,6 +326,36 @@ def distill_cache_command(
     except (DataError, CacheError) as e:
         fail(str(e))
     typer.echo(f"{out}: {cache.rows} rows x {seq_len} tokens, layers {cache.meta['layers']}")
+
+
+def bench_distill_command(
+    base: Annotated[Path, typer.Option(help="Base Llama checkpoint folder (the teacher)")],
+    data: Annotated[Path, typer.Option(help="Training text, as for distill")],
+    cache: Annotated[Path, typer.Option(help="Teacher cache folder (built for the benchmark's rows if absent)")],
+    num_key_value_layers: Annotated[int, typer.Option(help="l")] = 15,
+    key_value_group_size: Annotated[int, typer.Option(help="AcrossKV group size g")] = 1,
+    batch_size: Annotated[int, typer.Option(help="Sequences per step")] = 8,
+    seq_len: Annotated[int, typer.Option(help="Tokens per packed sequence")] = 256,
+    steps: Annotated[int, typer.Option(help="Timed steps per variant")] = 6,
+    json: AsJson = False,
+) -> None:
+    """Training tokens/s of a distillation step with and without the teacher cache, and its FLOPs bound."""
+    import os
+
+    from .data import DataError
+    from .distill_bench import run
+    from .teacher_cache import CacheError
+
+    if not (base / "config.json").exists():
+        fail(f"base model folder {str(base)!r} does not exist or has no config.json")
+    load = os.getloadavg()[0]
+    try:
+        report = run(str(base), str(data), str(cache), num_key_value_layers, key_value_group_size, batch_size, seq_len, steps,
+                     log=(lambda m: typer.echo(m, err=True)) if json else typer.echo)
+    except (DataError, CacheError) as e:
+        fail(str(e))
+    report["load_average_1min_at_start"] = load
+    _print_json(report)
 
 
 def eval_command(

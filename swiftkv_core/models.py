@@ -75,10 +75,27 @@ REGISTRY: dict[str, NamedModel] = {
     ),
     "smollm2-135m-instruct-swiftkv": NamedModel(
         "smollm2-135m-instruct-swiftkv",
-        "SmolLM2-135M-Instruct distilled for SwiftKV (l=15 of 30): base + shipped trained tensors (swiftkv_core/weights)",
+        "SmolLM2-135M-Instruct distilled for SwiftKV: base + shipped trained tensors (swiftkv_core/weights)",
         lambda out_dir, models_dir: _build_default_swiftkv(out_dir, models_dir),
     ),
 }
+
+
+def model_card(name: str) -> str:
+    """Layout, quality against the teacher and prefill speed-up of a shipped SwiftKV model ('' for others),
+    from the recipe file next to its tensors."""
+    from .shipped import recipe
+
+    r = recipe(name)
+    if r is None:
+        return ""
+    card = f"l={r['num_key_value_layers']} g={r['key_value_group_size']}"
+    q = r.get("quality", {})
+    if "top1_agreement" in q:
+        card += f"; top-1 agreement {q['top1_agreement']:.3f}, perplexity x{q['ppl_ratio']:.3f} (held-out)"
+    if "prefill_speedup" in r:
+        card += f"; prefill x{r['prefill_speedup']:.2f}"
+    return card
 
 
 def _is_complete(folder: Path) -> bool:

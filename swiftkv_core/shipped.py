@@ -20,6 +20,12 @@ WEIGHTS_DIR = Path(__file__).parent / "weights"
 DEFAULT_SWIFTKV_NAME = "smollm2-135m-instruct-swiftkv"
 
 
+def recipe(name: str) -> dict | None:
+    """The recipe file of a shipped model (how it was trained, its measured quality), or None."""
+    path = WEIGHTS_DIR / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def export_trained(run_dir: str | Path, dest: str | Path, recipe: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Copy a run's trained tensors to `dest` (.safetensors, stored in `dtype`) with a recipe .json beside it."""
     from safetensors.torch import load_file, save_file

@@ -47,3 +47,16 @@ def test_smollm2_answers_sensibly_through_the_reference_model(smollm2_dir):
     out = model.greedy_generate(ids, 12, swiftkv=False, eos_token_id=tokenizer.eos_token_id)
     assert "Paris" in tokenizer.decode(out)
     assert model.lm_head.weight.dtype == torch.float32
+
+
+def test_every_shipped_swiftkv_model_lists_its_quality_and_stays_small():
+    from swiftkv_core.models import REGISTRY, model_card
+    from swiftkv_core.shipped import WEIGHTS_DIR
+
+    shipped = [n for n in REGISTRY if (WEIGHTS_DIR / f"{n}.safetensors").exists()]
+    assert shipped
+    for name in shipped:
+        card = model_card(name)
+        assert "top-1 agreement" in card and "perplexity x" in card and "prefill x" in card, card
+        assert (WEIGHTS_DIR / f"{name}.safetensors").stat().st_size <= 25 * 2**20
+    assert model_card("smollm2-135m-instruct") == ""

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The quality/speed frontier of SwiftKV SmolLM2-135M-Instruct (BENCHMARKS.md, "Frontier").
+#
+#   scripts/frontier.sh train ROW...    distill the named rows (resumes an interrupted row)
+#   scripts/frontier.sh eval ROW...     evaluate them (skips a row whose result file exists)
+#   scripts/frontier.sh speed L[:G]...  prefill speed-up of a layout (undistilled weights: same cost)
+#
+# Every row: least-squares K/V init, then KL distillation on the same 256,000 tokens (125 steps x 8 x 256,
+# the first 1,000 packed rows of data/mix/train.jsonl) through one teacher cache; lr 1e-3, linear schedule
+# with 5% warm-up. Needs `swiftkv models prepare smollm2-135m-instruct` and `swiftkv data prepare --out data/mix`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SWIFTKV=${SWIFTKV:-.venv/bin/swiftkv}
+BASE=${BASE:-models/smollm2-135m-instruct}
+DATA=${DATA:-data/mix}
+RUNS=${RUNS:-runs}
+CACHE=$RUNS/cache-mix-256
+
+# name -> distill flags beyond the common ones
+declare -A ROW=(
+  [l15]="--num-key-value-layers 15"
+  [l18]="--num-key-value-layers 18"
+  [l20]="--num-key-value-layers 20"
+  [l22]="--num-key-value-layers 22"
+  [l20-t1]="--num-key-value-layers 20 --temperature 1"
+  [l20-hidden]="--num-key-value-layers 20 --hidden-weight 1"
+  [l18-g2]="--num-key-value-layers 18 --key-value-group-size 2"
+  [l20-g2]="--num-key-value-layers 20 --key-value-group-size 2"
+)
+COMMON=(--base "$BASE" --data "$DATA/train.jsonl" --cache "$CACHE" --init lstsq --lr 1e-3 --max-steps 125
+        --batch-size 8 --seq-len 256 --checkpoint-every 25)
+
+cache() {
+  [ -f "$CACHE/meta.json" ] && python3 -c "import json,sys; m=json.load(open('$CACHE/meta.json')); sys.exit(m['rows_done']<m['rows'])" && return
+  "$SWIFTKV" distill-cache --base "$BASE" --data "$DATA/train.jsonl" --out "$CACHE" --layers 15,18,20,22 --rows 1000 --seq-len 256
+}
+
+train() {
+  cache
+  for name in "$@"; do
+    [ -n "${ROW[$name]:-}" ] || { echo "unknown row $name (known: ${!ROW[*]})" >&2; exit 2; }
+    [ -f "$RUNS/$name/summary.json" ] && continue
+    # shellcheck disable=SC2086
+    "$SWIFTKV" distill "${COMMON[@]}" --out "$RUNS/$name" ${ROW[$name]}
+  done
+}
+
+evaluate() {
+  for name in "$@"; do
+    for text in heldout heldout_manpages; do
+      out="$RUNS/$name/eval-$text.json"
+      [ -f "$out" ] && continue
+      "$SWIFTKV" eval --teacher "$BASE" --student "$RUNS/$name" --text "$DATA/$text.jsonl" --seq-len 512 \
+        --max-tokens 16384 --num-prompts 16 --gen-tokens 32 --long-docs 8 --json > "$out.tmp"
+      mv "$out.tmp" "$out"
+    done
+  done
+}
+
+speed() {
+  for layout in "$@"; do
+    l=${layout%%:*}; g=1; [ "$layout" != "$l" ] && g=${layout#*:}
+    model="$RUNS/speed-l$l-g$g"
+    [ -f "$model/config.json" ] || "$SWIFTKV" convert --base "$BASE" --out "$model" --num-key-value-layers "$l" --key-value-group-size "$g"
+    "$SWIFTKV" bench engine --model "$model" --baseline "$BASE" --json > "$RUNS/speed-l$l-g$g.json"
+  done
+}
+
+cmd=${1:-}; shift || true
+case "$cmd" in
+  train) train "$@" ;;
+  eval) evaluate "$@" ;;
+  speed) speed "$@" ;;
+  *) sed -n '2,10p' "$0"; exit 2 ;;
+esac
