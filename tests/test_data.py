@@ -79,7 +79,8 @@ def test_passages_split_and_heldout_are_deterministic():
 
 @pytest.mark.skipif(not (D.PYTHON_DOC_DIR.is_dir() and D.LINUX_DOC_DIR.is_dir()), reason="Debian doc packages not installed")
 def test_prepare_corpus_keeps_heldout_files_out_of_training(tmp_path):
-    manifest = D.prepare_corpus(tmp_path, train_chars_per_source=30_000, heldout_chars_per_source=5_000, cache_dir=tmp_path / "src")
+    manifest = D.prepare_corpus(tmp_path, train_chars_per_source=30_000, heldout_chars_per_source=5_000, cache_dir=tmp_path / "src",
+                                manpages=12)
     train = D.load_records(tmp_path / "train.jsonl")
     held = D.load_records(tmp_path / "heldout.jsonl")
     assert train and held
@@ -89,3 +90,65 @@ def test_prepare_corpus_keeps_heldout_files_out_of_training(tmp_path):
         return r.get("text") or r["messages"][1]["content"]
     assert not {body(r) for r in train} & {body(r) for r in held}
     assert manifest["stats"]["python-docs"]["train"]["chars"] >= 30_000
+    # The second held-out set: man pages, a kind of text no training record comes from.
+    pages = D.load_records(tmp_path / D.MANPAGES_FILE)
+    assert len(pages) == manifest["stats"]["manpages"]["heldout"]["pages"] == 12
+    assert {r["source"] for r in pages} == {"manpages"} and not {body(r) for r in train} & {r["text"] for r in pages}
+    assert "heldout_manpages" in manifest["sha256"]
+
+
+PAGE = r""".\" A hand-written page in man(7) source.
+.TH FROB 1 "May 2024" "frob 1.0" "User Commands"
+.SH NAME
+frob \- turn widgets into \fBgadgets\fR
+.SH SYNOPSIS
+.B frob
+[\fI\,OPTION\/\fR]... \fIFILE\fR
+.SH DESCRIPTION
+.PP
+Frob reads each \fIFILE\fR and writes \(lqgadgets\(rq to standard output.
+.TP
+\fB\-q\fR, \fB\-\-quiet\fR
+print nothing
+.BR gizmo (1)
+"""
+
+
+def test_roff_stripper_without_groff():
+    assert D._strip_roff(PAGE).strip() == (
+        "NAME\nfrob - turn widgets into gadgets\n\nSYNOPSIS\nfrob\n[OPTION]... FILE\n\nDESCRIPTION\n\n"
+        'Frob reads each FILE and writes "gadgets" to standard output.\n\n-q, --quiet\nprint nothing\ngizmo(1)')
+
+
+@pytest.mark.skipif(not __import__("shutil").which("groff"), reason="groff not installed")
+def test_groff_renders_a_page_to_plain_text(tmp_path):
+    import gzip
+
+    (tmp_path / "frob.1.gz").write_bytes(gzip.compress(PAGE.encode()))
+    text = D.render_manpage(tmp_path / "frob.1.gz")
+    assert "frob - turn widgets into gadgets" in text and "FROB(1)" not in text  # no page header or footer
+    assert "Frob reads each FILE and writes" in text and "\x1b" not in text and "\b" not in text and "\\f" not in text
+
+
+def test_manpages_choice_is_deterministic_and_diverse(tmp_path):
+    import gzip
+
+    man1 = tmp_path / "man1"
+    man1.mkdir()
+    body = "\n".join(f".PP\nParagraph {i} of the frob family's page about widgets and gadgets." for i in range(40))
+    for name in ("frob", "frob-a", "frob-b", "frob-c", "zap", "zip", "tool_x"):
+        (man1 / f"{name}.1.gz").write_bytes(gzip.compress(PAGE.replace("frob", name).encode() + body.encode()))
+    (man1 / "zap2.1.gz").write_bytes(gzip.compress(PAGE.replace("frob", "zap").encode() + body.encode()))  # duplicate text
+    (man1 / "short.1.gz").write_bytes(gzip.compress(b".so man1/zap.1\n"))  # a redirect: too short
+    (man1 / "alias.1.gz").symlink_to(man1 / "zip.1.gz")
+    stats = D.prepare_manpages(tmp_path / "a.jsonl", man_dirs=(man1,))
+    D.prepare_manpages(tmp_path / "b.jsonl", man_dirs=(man1,))
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    recs = D.load_records(tmp_path / "a.jsonl")
+    assert stats["pages"] == len(recs) == 5  # frob: 2 of 4 pages; zap, zip, tool_x; no duplicate, redirect or symlink
+    assert {r["source"] for r in recs} == {"manpages"} and all(len(r["text"]) >= 1500 for r in recs)
+    assert sum("frob" in r["text"].split("\n")[1] for r in recs) == 2
+    assert len(D.load_records(tmp_path / "a.jsonl")) == 5
+    assert D.prepare_manpages(tmp_path / "c.jsonl", pages=2, man_dirs=(man1,))["pages"] == 2
+    with pytest.raises(D.DataError, match="no man pages"):
+        D.prepare_manpages(tmp_path / "d.jsonl", man_dirs=(tmp_path / "nowhere",))
