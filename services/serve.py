@@ -25,6 +25,8 @@ class ServeSettings(BaseSettings):
     api_keys_file: Optional[str] = None
     log_level: str = "info"
     ray_metrics_port: int = 8080
+    data_dir: Optional[str] = None
+    database_url: Optional[str] = None
 
 
 def _check_models(cfg) -> None:
@@ -89,7 +91,8 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
                    "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'"
                    % (cfg.host, cfg.port, key_hint, cfg.model))
 
-    app = create_app(Gateway(cfg, backends, prompter, keys, on_ready=on_ready, extra_metrics=extra_metrics))
+    gateway = Gateway(cfg, backends, prompter, keys, on_ready=on_ready, extra_metrics=extra_metrics)
+    app = create_app(gateway, extensions=[_batch_service(cfg, gateway)])
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     finally:
@@ -99,12 +102,25 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
             stop_ray(started_local_cluster=not cfg.ray_address)
 
 
+def _batch_service(cfg, gateway):
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from services.batch.service import BatchService
+
+    try:
+        return BatchService(cfg, gateway)
+    except (SQLAlchemyError, OSError, ImportError, ValueError) as e:
+        fail(f"batch store ({cfg.database_url or cfg.data_dir}): {e}")
+
+
 def serve_command(
     config: Annotated[Optional[Path], typer.Option(help="Platform YAML (pools, routing, limits); default: SmolLM2 on 127.0.0.1:8000")] = None,
     engine: Annotated[Optional[str], typer.Option(help="ray: Ray Serve deployments (local cluster unless ray_address); inprocess: engines inside the gateway process")] = None,
     host: Annotated[Optional[str], typer.Option(help="Override the config's host")] = None,
     port: Annotated[Optional[int], typer.Option(help="Override the config's port")] = None,
     api_keys_file: Annotated[Optional[str], typer.Option(help="API keys file (also SWIFTKV_API_KEYS / SWIFTKV_API_KEYS_FILE)")] = None,
+    data_dir: Annotated[Optional[str], typer.Option(help="Batch files and the embedded SQLite database (also SWIFTKV_DATA_DIR)")] = None,
+    database_url: Annotated[Optional[str], typer.Option(help="Batch store database, e.g. postgresql://user@host/db (also SWIFTKV_DATABASE_URL)")] = None,
 ) -> None:
     """Run the OpenAI-compatible gateway and its engine pools."""
     from services.serving.config import load_config
@@ -117,7 +133,8 @@ def serve_command(
     if config is not None and not Path(config).exists():
         fail(f"config file {config} does not exist")
     try:
-        cfg = load_config(config, {"host": host or settings.host, "port": port or settings.port})
+        cfg = load_config(config, {"host": host or settings.host, "port": port or settings.port,
+                                   "data_dir": data_dir or settings.data_dir, "database_url": database_url or settings.database_url})
     except (ValidationError, ValueError) as e:
         fail(f"invalid config {config or '(default)'}: {e}")
     if config is None:

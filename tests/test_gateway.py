@@ -110,8 +110,14 @@ def scrape(server: str) -> dict[str, float]:
 
 
 def metric(samples: dict[str, float], name: str, **labels) -> float:
-    key = name + "{" + ",".join(sorted(f'{k}="{v}"' for k, v in labels.items())) + "}"
-    return samples.get(key, 0.0)
+    """The sum over the series of `name` that carry these labels (any others, e.g. source, are summed over)."""
+    want = {f'{k}="{v}"' for k, v in labels.items()}
+    total = 0.0
+    for key, value in samples.items():
+        series, _, rest = key.partition("{")
+        if series == name and want <= set(filter(None, rest[:-1].split(","))):
+            total += value
+    return total
 
 
 def route(headers) -> dict[str, str]:

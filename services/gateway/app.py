@@ -12,9 +12,9 @@ import json
 import logging
 import secrets
 import time
-from contextlib import aclosing, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -26,7 +26,7 @@ from services.serving.config import PlatformConfig
 
 from . import metrics
 from .auth import KeyStore, RateLimiter
-from .errors import APIError, bad_request, error_response, sse_error
+from .errors import APIError, bad_request, error_body, error_response, sse_error
 from .prompts import Prompter, max_model_len
 from .routing import Ewma, NoPoolAvailable, PoolState, RoutePolicy
 from .schemas import ChatCompletionRequest, CompletionRequest, parse
@@ -74,6 +74,7 @@ class Gateway:
                                    cfg.limits.output_tokens_per_minute, keys.digests)
         self.output_estimate = Ewma(float(cfg.routing.default_output_estimate))
         self.created = int(time.time())
+        self.live_waiting = {name: 0 for name in self.pools}  # live requests without their first token (batch work yields to them)
         self._tasks: list[asyncio.Task] = []
         for name in self.pools:
             metrics.pool_ready.labels(name).set(0)
@@ -166,13 +167,16 @@ class Gateway:
 
     # ---- serving ---------------------------------------------------------------------------------
     async def tracked(self, pool: PoolState, model: str, request: GenerateRequest, t0: float, identity: str,
-                      reserved: int, estimate_output: bool) -> AsyncIterator[Output]:
+                      reserved: int, estimate_output: bool, source: str = "live") -> AsyncIterator[Output]:
         """The backend's stream with the gateway's bookkeeping: metrics, backlog, estimates, limits."""
         prompt_tokens = len(request.prompt_token_ids)
-        m = metrics.for_pool(pool.name, model)
+        m = metrics.for_pool(pool.name, model, source)
         m.in_flight.inc()
         m.prompt_tokens.inc(prompt_tokens)
         pool.dispatched(prompt_tokens)
+        live = source == "live"
+        if live:
+            self.live_waiting[pool.name] += 1
         first_at = None
         generated = 0
         status = "error"
@@ -182,6 +186,8 @@ class Gateway:
                     n = sum(c.num_tokens for c in out.choices)
                     if first_at is None and n:
                         first_at = time.perf_counter()
+                        if live:
+                            self.live_waiting[pool.name] -= 1
                         pool.first_token(prompt_tokens, first_at - t0)
                         m.ttft.observe(first_at - t0)
                     if out.queue_seconds is not None:
@@ -200,6 +206,8 @@ class Gateway:
         finally:
             end = time.perf_counter()
             if first_at is None:
+                if live:
+                    self.live_waiting[pool.name] -= 1
                 pool.first_token(prompt_tokens, 0.0)
             m.in_flight.dec()
             m.requests[status].inc()
@@ -216,6 +224,10 @@ class Gateway:
         """Everything before dispatch; raises APIError for any refusal."""
         identity = self.keys.identify(request.headers.get("authorization"))
         data = await self.read_json(request)
+        return self.prepare_body(data, kind, identity)
+
+    def prepare_body(self, data: object, kind: str, identity: str, charge: bool = True):
+        """A parsed body -> what dispatch needs; `charge=False` leaves the per-minute limits alone."""
         if kind == "chat":
             req = parse(ChatCompletionRequest, data)
             logprobs = req.logprobs_k()
@@ -231,27 +243,29 @@ class Gateway:
         requested = req.output_limit()
         max_tokens = self.output_tokens(len(prompt_ids), requested, "messages" if kind == "chat" else "prompt")
         expected = requested or max(1, min(max_tokens, round(self.output_estimate.value)))
-        self.limiter.acquire(identity, len(prompt_ids), expected * req.n)
+        reserved = expected * req.n if charge else 0
+        if charge:
+            self.limiter.acquire(identity, len(prompt_ids), reserved)
         try:
             decision = self.policy.decide(len(prompt_ids), expected, self.pools, pinned)
         except NoPoolAvailable as e:
-            self.limiter.settle(identity, expected * req.n, 0)
+            self.limiter.settle(identity, reserved, 0)
             raise APIError(503, f"{e}; try again shortly", "server_error", code="unavailable")
         sampling = SamplingOptions(
             max_tokens=max_tokens, n=req.n, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
             stop=req.stops(), logprobs=logprobs, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, ignore_eos=req.ignore_eos,
         )
-        return identity, req, GenerateRequest(secrets.token_hex(12), prompt_ids, sampling), decision, expected * req.n, requested is None
+        return identity, req, GenerateRequest(secrets.token_hex(12), prompt_ids, sampling), decision, reserved, requested is None
 
     async def handle(self, request: Request, kind: str) -> Response:
         t0 = time.perf_counter()
         try:
             identity, req, gen, decision, reserved, estimate = await self.prepare(request, kind)
         except APIError as e:
-            metrics.rejections.labels(REJECTION_REASONS.get(e.code or "", "invalid_request")).inc()
+            metrics.rejections.labels(REJECTION_REASONS.get(e.code or "", "invalid_request"), "live").inc()
             return e.response()
-        metrics.route_decisions.labels(decision.pool, decision.reason).inc()
+        metrics.route_decisions.labels(decision.pool, decision.reason, "live").inc()
         metrics.for_pool(decision.pool, req.model).overhead.observe(time.perf_counter() - t0)
         pool = self.pools[decision.pool]
         stream = self.tracked(pool, req.model, gen, t0, identity, reserved, estimate)
@@ -263,8 +277,49 @@ class Gateway:
                                      media_type="text/event-stream", headers=headers)
         return await self.complete(request, stream, r, len(gen.prompt_token_ids), headers)
 
-    async def complete(self, request: Request, stream: AsyncIterator[Output], r, prompt_tokens: int, headers) -> Response:
+    async def run_request(self, data: object, kind: str, identity: str, *, source: str = "batch", priority: int = 0,
+                          slot: Callable[[str], AbstractAsyncContextManager] | None = None) -> tuple[int, dict]:
+        """Serve one already-parsed, non-streamed request body without HTTP (the Batch API's lines): the same
+        validation, token counting, routing, backends and metrics (labelled `source`) as live traffic, at
+        the engine priority given, not charged to per-minute limits. `slot(pool)` is entered once the pool
+        is chosen and held while the engine works (the caller's bound on its own requests per pool)."""
+        try:
+            _, req, gen, decision, reserved, estimate = self.prepare_body(data, kind, identity, charge=False)
+            if req.stream:
+                raise bad_request("stream is not supported here", param="stream")
+        except APIError as e:
+            metrics.rejections.labels(REJECTION_REASONS.get(e.code or "", "invalid_request"), source).inc()
+            return e.status, e.body()
+        gen.priority = priority
+        async with slot(decision.pool) if slot is not None else nullcontext():
+            metrics.route_decisions.labels(decision.pool, decision.reason, source).inc()
+            stream = self.tracked(self.pools[decision.pool], req.model, gen, time.perf_counter(), identity, reserved, estimate, source)
+            render = ChatRender if kind == "chat" else CompletionRender
+            r = render(gen.request_id, req.model, int(time.time()), req.n, gen.sampling.logprobs is not None)
+            return await self.collect(stream, r, len(gen.prompt_token_ids))
+
+    async def collect(self, stream: AsyncIterator[Output], r, prompt_tokens: int) -> tuple[int, dict]:
+        """A whole (non-streamed) answer: (status, OpenAI body)."""
         choices = [Choice() for _ in range(r.n)]
+        try:
+            async with aclosing(stream) as s:
+                async for out in s:
+                    for c in out.choices:
+                        ch = choices[c.index]
+                        ch.text.append(c.text)
+                        ch.tokens += c.num_tokens
+                        ch.finish_reason = c.finish_reason or ch.finish_reason
+                        if c.logprobs:
+                            ch.logprobs.extend(c.logprobs)
+        except BadRequest as e:
+            return 400, error_body(str(e))
+        except BackendError as e:
+            log.warning("%s", e)
+            return 503, error_body("the engine failed to serve this request; try again", "server_error", code="unavailable")
+        completion_tokens = sum(c.tokens for c in choices)
+        return 200, r.full(choices, _usage(prompt_tokens, completion_tokens))
+
+    async def complete(self, request: Request, stream: AsyncIterator[Output], r, prompt_tokens: int, headers) -> Response:
         # While the answer is collected, a watcher waits for the client to leave and then cancels this task,
         # which closes the stream and aborts the engine request.
         current = asyncio.current_task()
@@ -279,29 +334,15 @@ class Gateway:
 
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            async with aclosing(stream) as s:
-                async for out in s:
-                    for c in out.choices:
-                        ch = choices[c.index]
-                        ch.text.append(c.text)
-                        ch.tokens += c.num_tokens
-                        ch.finish_reason = c.finish_reason or ch.finish_reason
-                        if c.logprobs:
-                            ch.logprobs.extend(c.logprobs)
+            status, body = await self.collect(stream, r, prompt_tokens)
         except asyncio.CancelledError:
             if not gone:
                 raise
             current.uncancel()
             return Response(status_code=499)
-        except BadRequest as e:
-            return error_response(400, str(e), headers=headers)
-        except BackendError as e:
-            log.warning("%s", e)
-            return error_response(503, "the engine failed to serve this request; try again", "server_error", code="unavailable", headers=headers)
         finally:
             watcher.cancel()
-        completion_tokens = sum(c.tokens for c in choices)
-        return JSONResponse(r.full(choices, _usage(prompt_tokens, completion_tokens)), headers=headers)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     async def sse(self, stream: AsyncIterator[Output], r, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
         completion_tokens = 0
@@ -414,13 +455,19 @@ class CompletionRender(ChatRender):
         return self._base("text_completion") | {"choices": [], "usage": usage}
 
 
-def create_app(gateway: Gateway) -> FastAPI:
+def create_app(gateway: Gateway, extensions: Sequence = ()) -> FastAPI:
+    """`extensions` (e.g. the Batch API) each bring a `router` and async `start()` / `stop()`."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         starting = asyncio.create_task(gateway.start())  # /health answers while engines warm up
+        for ext in extensions:
+            await ext.start()
         try:
             yield
         finally:
+            for ext in reversed(extensions):
+                await ext.stop()
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
             await gateway.stop()
@@ -476,5 +523,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     app.router.add_route("/v1/chat/completions", chat, methods=["POST"])
     app.router.add_route("/v1/completions", completions, methods=["POST"])
+    for ext in extensions:
+        app.include_router(ext.router)
 
     return app

@@ -18,14 +18,20 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
     def response(self) -> Response:
         return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
 
 
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
 def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> Response:
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return Response(json.dumps(body), status_code=status, media_type="application/json", headers=headers)
+    return Response(json.dumps(error_body(message, type, param, code)), status_code=status, media_type="application/json", headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

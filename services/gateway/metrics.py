@@ -1,6 +1,7 @@
 """Gateway-side Prometheus metrics: prefix `swiftkv_`, base units, labels of low cardinality (pool, model,
-reason, status: each from a small fixed set). Engine metrics keep vLLM's own `vllm:` names and are
-exposed beside these by the in-process engines (services.serving.engine.EngineMetrics)."""
+reason, status, source: each from a small fixed set; source is `live` or `batch`). Engine metrics keep
+vLLM's own `vllm:` names and are exposed beside these by the in-process engines
+(services.serving.engine.EngineMetrics)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.0
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1)
 
-PM = ("pool", "model")
+PM = ("pool", "model", "source")
 
 ttft = Histogram("swiftkv_time_to_first_token_seconds", "Gateway-side time to first token (request received to first token sent)", PM, buckets=TTFT_BUCKETS)
 tpot = Histogram("swiftkv_time_per_output_token_seconds", "Mean time per output token after the first, per request", PM, buckets=TPOT_BUCKETS)
@@ -26,9 +27,9 @@ overhead = Histogram("swiftkv_gateway_overhead_seconds", "Gateway time before di
 prompt_tokens = Counter("swiftkv_prompt_tokens", "Prompt tokens of requests dispatched", PM)
 generation_tokens = Counter("swiftkv_generation_tokens", "Tokens generated", PM)
 requests = Counter("swiftkv_requests", "Requests that reached a pool, by outcome (ok, error, client_disconnect)", PM + ("status",))
-route_decisions = Counter("swiftkv_route_decisions", "Route decisions by pool and reason", ("pool", "reason"))
+route_decisions = Counter("swiftkv_route_decisions", "Route decisions by pool and reason", ("pool", "reason", "source"))
 in_flight = Gauge("swiftkv_requests_in_flight", "Requests being served", ("pool",))
-rejections = Counter("swiftkv_requests_rejected", "Requests refused before reaching a pool, by reason", ("reason",))
+rejections = Counter("swiftkv_requests_rejected", "Requests refused before reaching a pool, by reason", ("reason", "source"))
 pool_ready = Gauge("swiftkv_pool_ready", "1 when the pool is warmed up and healthy", ("pool",))
 pool_backlog = Gauge("swiftkv_pool_backlog_tokens", "Prompt tokens dispatched to the pool and not yet prefilled", ("pool",))
 pool_prefill_rate = Gauge("swiftkv_pool_prefill_rate_tokens_per_second", "Measured prefill rate (moving average)", ("pool",))
@@ -37,24 +38,24 @@ pool_prefill_rate = Gauge("swiftkv_pool_prefill_rate_tokens_per_second", "Measur
 class PoolMetrics:
     """The labelled children for one (pool, model), resolved once: `labels()` costs more than observing."""
 
-    def __init__(self, pool: str, model: str):
-        self.ttft = ttft.labels(pool, model)
-        self.tpot = tpot.labels(pool, model)
-        self.e2e = e2e.labels(pool, model)
-        self.queue = queue.labels(pool, model)
-        self.prompt_tokens = prompt_tokens.labels(pool, model)
-        self.generation_tokens = generation_tokens.labels(pool, model)
+    def __init__(self, pool: str, model: str, source: str = "live"):
+        self.ttft = ttft.labels(pool, model, source)
+        self.tpot = tpot.labels(pool, model, source)
+        self.e2e = e2e.labels(pool, model, source)
+        self.queue = queue.labels(pool, model, source)
+        self.prompt_tokens = prompt_tokens.labels(pool, model, source)
+        self.generation_tokens = generation_tokens.labels(pool, model, source)
         self.in_flight = in_flight.labels(pool)
         self.overhead = overhead.labels(pool)
-        self.requests = {s: requests.labels(pool, model, s) for s in ("ok", "error", "client_disconnect")}
+        self.requests = {s: requests.labels(pool, model, source, s) for s in ("ok", "error", "client_disconnect")}
 
 
-_pool_metrics: dict[tuple[str, str], PoolMetrics] = {}
+_pool_metrics: dict[tuple[str, str, str], PoolMetrics] = {}
 
 
-def for_pool(pool: str, model: str) -> PoolMetrics:
+def for_pool(pool: str, model: str, source: str = "live") -> PoolMetrics:
     """Model names are checked against the served ones before they get here: the set stays small."""
-    m = _pool_metrics.get((pool, model))
+    m = _pool_metrics.get((pool, model, source))
     if m is None:
-        m = _pool_metrics[(pool, model)] = PoolMetrics(pool, model)
+        m = _pool_metrics[(pool, model, source)] = PoolMetrics(pool, model, source)
     return m

@@ -31,6 +31,7 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingOptions
+    priority: int = 0  # vLLM's: lower is scheduled first (engines with scheduling_policy=priority; FCFS ignores it)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 DEFAULT_CONFIG = """\
 # Served by `swiftkv serve` when no --config is given (and by `swiftkv demo`).
 # dtype auto: the model's dtype on GPUs; on CPUs bfloat16 only with native bf16 (AVX-512 BF16 or AMX), else float32.
+# scheduling_policy priority: Batch API requests (lower priority) run after live ones.
 model: swiftkv-smollm2            # the public name; requests for it are routed between the pools
 host: 127.0.0.1
 port: 8000
@@ -26,11 +27,11 @@ routing:
 pools:
   prefill:                        # SwiftKV model: cheap prefill for prompt-heavy requests
     model: models/smollm2-135m-instruct-swiftkv
-    engine_args: {max_model_len: 2048, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 268435456}
+    engine_args: {max_model_len: 2048, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 268435456, scheduling_policy: priority}
     replicas: {min: 1, max: 2, target_ongoing_requests: 8, max_ongoing_requests: 32}
   decode:                         # base model: decode-heavy requests
     model: models/smollm2-135m-instruct
-    engine_args: {max_model_len: 2048, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 268435456}
+    engine_args: {max_model_len: 2048, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 268435456, scheduling_policy: priority}
     replicas: {min: 1, max: 2, target_ongoing_requests: 8, max_ongoing_requests: 32}
 """
 
@@ -94,7 +95,8 @@ class LimitsConfig(StrictModel):
 class BatchConfig(StrictModel):
     """The Batch API's runner: how hard batch work may push the pools, and for how long a batch may run."""
 
-    completion_window_seconds: float = Field(86400.0, gt=0, description="what completion_window '24h' means (shorter for tests)")
+    completion_windows: dict[str, float] = Field(default_factory=lambda: {"24h": 86400.0},
+                                                 description="completion_window values accepted, in seconds (tests add short ones)")
     max_in_flight: int = Field(8, ge=1, description="batch requests in flight per pool when no live request waits")
     min_in_flight: int = Field(1, ge=0, description="floor of the bound: each live request waiting for its first token takes one slot away down to this")
     priority: int = Field(10, description="vLLM priority of batch requests (live: 0; lower runs first; used by engines with scheduling_policy=priority)")
@@ -106,6 +108,8 @@ class BatchConfig(StrictModel):
 
     @model_validator(mode="after")
     def _bounds(self) -> "BatchConfig":
+        if not self.completion_windows or min(self.completion_windows.values()) <= 0:
+            raise ValueError("batch.completion_windows needs at least one window, each longer than 0 seconds")
         if self.min_in_flight > self.max_in_flight:
             raise ValueError(f"batch.min_in_flight ({self.min_in_flight}) must be <= batch.max_in_flight ({self.max_in_flight})")
         return self

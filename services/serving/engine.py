@@ -145,7 +145,7 @@ class VLLMEngine:
         self._queued_tokens += len(request.prompt_token_ids)
         prefilled = False
         try:
-            async for out in self.llm.generate(prompt, params, request.request_id):
+            async for out in self.llm.generate(prompt, params, request.request_id, priority=request.priority):
                 queue_seconds = None
                 if not prefilled:
                     prefilled = True

@@ -1,0 +1,278 @@
+"""Works batches: takes a batch's lease, replays its lines through the gateway (the same validation,
+routing and backends as live traffic, at a lower engine priority), commits each finished line, and
+writes the output and error files once every line is done, or the batch is cancelled or expired.
+
+Live traffic comes first: each pool takes at most `max_in_flight` batch requests at once, one fewer
+for every live request waiting for its first token (down to `min_in_flight`), and batch requests carry
+vLLM priority `priority` so a priority-scheduling engine runs live requests ahead of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections import defaultdict, deque
+from contextlib import asynccontextmanager, suppress
+from typing import AsyncIterator
+
+from services.serving.config import BatchConfig
+
+from . import metrics
+from .files import FileStore
+from .jsonl import ENDPOINTS, Line, error, parse_input
+from .store import BatchStore
+
+log = logging.getLogger("swiftkv.batch")
+
+EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+CANCELLED_MESSAGE = "This request was not executed: the batch was cancelled."
+
+
+class PoolSlots:
+    """The bound on batch requests in flight per pool, recomputed as live requests come and go."""
+
+    def __init__(self, cfg: BatchConfig, live_waiting: dict[str, int]):
+        self.cfg = cfg
+        self.live_waiting = live_waiting
+        self.busy: dict[str, int] = defaultdict(int)
+        self.freed = asyncio.Event()
+
+    def allowed(self, pool: str) -> int:
+        n = max(self.cfg.min_in_flight, self.cfg.max_in_flight - self.live_waiting.get(pool, 0))
+        metrics.in_flight_limit.labels(pool).set(n)
+        return n
+
+    @asynccontextmanager
+    async def __call__(self, pool: str) -> AsyncIterator[None]:
+        # Live load changes without telling us: re-check every 20 ms, or at once when a batch request ends.
+        while self.busy[pool] >= self.allowed(pool):
+            self.freed.clear()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self.freed.wait(), 0.02)
+        self.busy[pool] += 1
+        metrics.in_flight.labels(pool).inc()
+        try:
+            yield
+        finally:
+            self.busy[pool] -= 1
+            metrics.in_flight.labels(pool).dec()
+            self.freed.set()
+
+
+class Runner:
+    """One per gateway process; several processes on one database share the work through leases."""
+
+    def __init__(self, store: BatchStore, files: FileStore, gateway, cfg: BatchConfig):
+        self.store, self.files, self.gateway, self.cfg = store, files, gateway, cfg
+        self.worker = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.slots = PoolSlots(cfg, gateway.live_waiting)
+        self.jobs: dict[str, Job] = {}
+        self.wake = asyncio.Event()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                if len(self.jobs) < self.cfg.max_active_batches and any(p.ready for p in self.gateway.pools.values()):
+                    batch = await asyncio.to_thread(self.store.claim, self.worker, self.cfg.lease_seconds)
+                    if batch is not None:
+                        self.start_job(batch)
+                        continue
+            except Exception:
+                log.exception("batch runner: looking for work")
+            self.wake.clear()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), self.cfg.poll_seconds)
+
+    def start_job(self, batch: dict) -> None:
+        job = Job(self, batch)
+        self.jobs[batch["id"]] = job
+        job.task = asyncio.create_task(job.run())
+        job.task.add_done_callback(lambda _t, i=batch["id"]: self.jobs.pop(i, None))
+
+    def cancel_requested(self, batch_id: str) -> None:
+        """The API saw a cancel: a batch worked here stops at once (elsewhere, at its next lease renewal)."""
+        job = self.jobs.get(batch_id)
+        if job is not None:
+            job.halt("cancelled")
+
+    async def stop(self) -> None:
+        """Stop working and hand the leases back, so another process can take over without waiting."""
+        jobs = list(self.jobs.values())
+        for job in jobs:
+            job.task.cancel()
+        await asyncio.gather(*(j.task for j in jobs), return_exceptions=True)
+        for job in jobs:
+            with suppress(Exception):
+                await asyncio.to_thread(self.store.release, job.id, self.worker)
+
+
+class Job:
+    """One batch while this process holds its lease."""
+
+    def __init__(self, runner: Runner, batch: dict):
+        self.runner = runner
+        self.batch = batch
+        self.id = batch["id"]
+        self.task: asyncio.Task | None = None
+        self.stop = asyncio.Event()
+        self.reason: str | None = None  # why it stopped early: cancelled | expired | lost (the lease)
+        self.serving: set[asyncio.Task] = set()
+
+    def halt(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self.stop.set()
+        for task in self.serving:  # closing the stream aborts the engine request
+            task.cancel()
+
+    async def run(self) -> None:
+        r = self.runner
+        try:
+            lines, errors = await asyncio.to_thread(self.read_input)
+            if errors:
+                await asyncio.to_thread(r.store.finish, self.id, r.worker, {
+                    "status": "failed", "failed_at": int(time.time()), "errors": {"object": "list", "data": errors}}, [])
+                metrics.finished.labels("failed").inc()
+                return
+            if self.batch["status"] == "validating":
+                await asyncio.to_thread(r.store.update_held, self.id, r.worker, status="in_progress",
+                                        in_progress_at=int(time.time()), total=len(lines))
+                self.batch["status"] = "in_progress"
+            done = await asyncio.to_thread(r.store.done_lines, self.id)
+            todo = deque(line for line in lines if line.number not in done)
+            if self.batch["status"] == "cancelling":
+                self.reason = "cancelled"
+            elif todo and time.time() >= self.batch["expires_at"]:
+                self.reason = "expired"
+            if todo and self.reason is None:
+                await self.work(todo)
+            if self.reason == "lost":
+                log.info("batch %s: lease lost; another worker has it", self.id)
+                return
+            await self.finalize(lines, {"cancelled": "cancelled", "expired": "expired"}.get(self.reason, "completed"))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("batch %s: runner error; the lease is released for a retry", self.id)
+            with suppress(Exception):
+                await asyncio.to_thread(r.store.release, self.id, r.worker)
+            await asyncio.sleep(r.cfg.poll_seconds)
+
+    def read_input(self) -> tuple[list[Line], list[dict]]:
+        path = self.runner.files.path(self.batch["input_file_id"])
+        if not path.exists():
+            return [], [error("file_not_found", f"the input file {self.batch['input_file_id']} no longer exists")]
+        return parse_input(path, self.batch["endpoint"], self.runner.cfg.max_lines)
+
+    async def work(self, todo: deque[Line]) -> None:
+        keeper = asyncio.create_task(self.keep_lease())
+        width = self.runner.cfg.max_in_flight * max(1, len(self.runner.gateway.pools))
+        workers = [asyncio.create_task(self.drain(todo)) for _ in range(min(width, len(todo)))]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            keeper.cancel()
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(keeper, *workers, return_exceptions=True)
+
+    async def keep_lease(self) -> None:
+        """Renew the lease; notice a cancel made through another process, and the completion window."""
+        r = self.runner
+        while not self.stop.is_set():
+            left = self.batch["expires_at"] - time.time()
+            if left <= 0:
+                self.halt("expired")
+                return
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), min(r.cfg.lease_seconds / 3, left))
+            if self.stop.is_set():
+                return
+            row = await asyncio.to_thread(r.store.renew, self.id, r.worker, r.cfg.lease_seconds)
+            if row is None:
+                self.halt("lost")
+            elif row["status"] == "cancelling":
+                self.halt("cancelled")
+
+    async def drain(self, todo: deque[Line]) -> None:
+        while todo and not self.stop.is_set():
+            await self.serve(todo.popleft())
+
+    async def serve(self, line: Line) -> None:
+        r = self.runner
+        kind = ENDPOINTS[self.batch["endpoint"]]
+        while True:
+            task = asyncio.create_task(r.gateway.run_request(line.body, kind, self.batch["owner"], source="batch",
+                                                             priority=r.cfg.priority, slot=r.slots))
+            self.serving.add(task)
+            try:
+                await asyncio.wait({task})
+            finally:
+                self.serving.discard(task)
+            if task.cancelled():  # halted: the line stays undone
+                return
+            if task.exception() is not None:
+                log.error("batch %s line %d: %r", self.id, line.number, task.exception())
+                status, body = 500, {"error": {"message": "internal error", "type": "server_error", "param": None, "code": None}}
+            else:
+                status, body = task.result()
+            # A pool that is down is not the line's fault: wait for it, as a client would retry.
+            if status == 503 and body.get("error", {}).get("code") == "unavailable":
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), r.cfg.poll_seconds)
+                if self.stop.is_set():
+                    return
+                continue
+            break
+        request_id = body["id"].split("-", 1)[-1] if status == 200 and isinstance(body.get("id"), str) else secrets.token_hex(12)
+        await asyncio.to_thread(r.store.record, self.id, line.number, line.custom_id, status, request_id, body)
+
+    async def finalize(self, lines: list[Line], final: str) -> None:
+        r = self.runner
+        if final == "completed":
+            await asyncio.to_thread(r.store.update_held, self.id, r.worker, status="finalizing", finalizing_at=int(time.time()))
+        new_files, values = await asyncio.to_thread(self.write_outputs, lines, final)
+        now = int(time.time())
+        values |= {"status": final, f"{final}_at": now}
+        if await asyncio.to_thread(r.store.finish, self.id, r.worker, values, new_files):
+            metrics.finished.labels(final).inc()
+            log.info("batch %s %s", self.id, final)
+
+    def write_outputs(self, lines: list[Line], final: str) -> tuple[list[dict], dict]:
+        """The output file (successes) and error file (failures, and lines never run), in input order.
+        File ids derive from the batch id, so finishing twice (after a crash) rewrites the same files."""
+        r, owner, suffix = self.runner, self.batch["owner"], self.id.removeprefix("batch_")
+        out: list[bytes] = []
+        err: list[tuple[int, bytes]] = []
+        done = set()
+        for row in r.store.results(self.id):
+            done.add(row["line"])
+            entry = {"id": f"batch_req_{row['request_id']}", "custom_id": row["custom_id"],
+                     "response": {"status_code": row["status_code"], "request_id": row["request_id"], "body": json.loads(row["body"])},
+                     "error": None}
+            (out.append(_line(entry)) if row["ok"] else err.append((row["line"], _line(entry))))
+        if final != "completed":
+            message = EXPIRED_MESSAGE if final == "expired" else CANCELLED_MESSAGE
+            for line in lines:
+                if line.number not in done:
+                    entry = {"id": f"batch_req_{suffix}_{line.number}", "custom_id": line.custom_id, "response": None,
+                             "error": {"code": f"batch_{final}", "message": message}}
+                    err.append((line.number, _line(entry)))
+        err.sort(key=lambda e: e[0])
+        new_files, values, now = [], {"output_file_id": None, "error_file_id": None}, int(time.time())
+        for field, file_id, content in (("output_file_id", f"file-{suffix}-output", out), ("error_file_id", f"file-{suffix}-errors", [e for _, e in err])):
+            if content:
+                size = r.files.write_lines(file_id, content)
+                new_files.append({"id": file_id, "owner": owner, "purpose": "batch_output", "filename": f"{self.id}_{field[:-8]}.jsonl",
+                                  "bytes": size, "created_at": now})
+                values[field] = file_id
+        return new_files, values
+
+
+def _line(entry: dict) -> bytes:
+    return json.dumps(entry, separators=(",", ":")).encode() + b"\n"

@@ -1,0 +1,38 @@
+"""The Batch API as a gateway extension: the store, the file store, the runner and the routes."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import suppress
+from pathlib import Path
+
+from services.serving.config import PlatformConfig
+
+from .api import build_router
+from .files import FileStore
+from .runner import Runner
+from .store import BatchStore
+
+
+class BatchService:
+    def __init__(self, cfg: PlatformConfig, gateway):
+        data_dir = Path(cfg.data_dir).expanduser()
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg.batch
+        self.gateway = gateway
+        self.store = BatchStore(cfg.database_url or f"sqlite:///{data_dir / 'swiftkv.db'}")
+        self.files = FileStore(data_dir / "files")
+        self.runner = Runner(self.store, self.files, gateway, cfg.batch)
+        self.router = build_router(self)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self.runner.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._task
+        await self.runner.stop()
+        self.store.close()
