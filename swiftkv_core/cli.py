@@ -260,7 +260,7 @@ def distill_command(
     temperature: Annotated[float, typer.Option(help="Distillation temperature T (loss scaled by T^2)")] = 2.0,
     hidden_weight: Annotated[float, typer.Option(help="Weight of the hidden-state MSE term (0 = off)")] = 0.0,
     train_scope: Annotated[str, typer.Option(help="swiftkv (paper) | full-layers (all weights of layers >= l)")] = "swiftkv",
-    init: Annotated[str, typer.Option(help="snowflake (copy/mean) | lstsq (fit K/V to the teacher's) | lstsq-qkv (and then each layer's queries)")] = "snowflake",
+    init: Annotated[str, typer.Option(help="snowflake (copy/mean) | lstsq (fit K/V to the teacher's)")] = "snowflake",
     lr: Annotated[float, typer.Option(help="AdamW learning rate")] = 2e-4,
     warmup: Annotated[float, typer.Option(help="Warm-up fraction of a linear schedule")] = 0.05,
     max_steps: Annotated[int, typer.Option(help="Optimizer steps (length of the lr schedule)")] = 200,
