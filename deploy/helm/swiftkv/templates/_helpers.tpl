@@ -1,0 +1,149 @@
+{{- define "swiftkv.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "swiftkv.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains (include "swiftkv.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "swiftkv.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "swiftkv.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "swiftkv.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* Selector labels of one component: include with (list $ "gateway") */}}
+{{- define "swiftkv.selector" -}}
+app.kubernetes.io/name: {{ include "swiftkv.name" (index . 0) }}
+app.kubernetes.io/instance: {{ (index . 0).Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "swiftkv.image" -}}
+{{- printf "%s:%s" .repository .tag -}}
+{{- end -}}
+
+{{- define "swiftkv.engineImage" -}}
+{{- if eq .Values.engines.accelerator "gpu" -}}{{ toYaml .Values.images.engineGpu }}{{- else -}}{{ toYaml .Values.images.engineCpu }}{{- end -}}
+{{- end -}}
+
+{{/* The gateway runs the engine image in inprocess mode (torch and vLLM inside), the torch-free one otherwise. */}}
+{{- define "swiftkv.gatewayImage" -}}
+{{- if eq .Values.engines.mode "inprocess" -}}{{ include "swiftkv.engineImage" . }}{{- else -}}{{ toYaml .Values.images.gateway }}{{- end -}}
+{{- end -}}
+
+{{- define "swiftkv.modelsClaim" -}}
+{{- .Values.models.persistence.existingClaim | default (printf "%s-models" (include "swiftkv.fullname" .)) -}}
+{{- end -}}
+
+{{- define "swiftkv.dataClaim" -}}
+{{- .Values.batchStore.persistence.existingClaim | default (printf "%s-data" (include "swiftkv.fullname" .)) -}}
+{{- end -}}
+
+{{- define "swiftkv.keysSecret" -}}
+{{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "swiftkv.fullname" .)) -}}
+{{- end -}}
+
+{{- define "swiftkv.keysEnabled" -}}
+{{- if or .Values.apiKeys.existingSecret .Values.apiKeys.keys -}}true{{- end -}}
+{{- end -}}
+
+{{- define "swiftkv.rayService" -}}
+{{- printf "%s-engines" (include "swiftkv.fullname" .) | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "swiftkv.poolService" -}}
+{{- printf "%s-engine-%s" (include "swiftkv.fullname" (index . 0)) (index . 1) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "swiftkv.servedName" -}}
+{{- $root := index . 0 -}}{{- $pool := index $root.Values.platform.pools (index . 1) -}}
+{{- $pool.served_model_name | default (printf "%s-%s" $root.Values.platform.model (index . 1)) -}}
+{{- end -}}
+
+{{/* platform.yaml: the values' platform block plus what the chart decides (listen address, paths, backends). */}}
+{{- define "swiftkv.platformConfig" -}}
+{{- $cfg := deepCopy .Values.platform -}}
+{{- $_ := set $cfg "host" "0.0.0.0" -}}
+{{- $_ := set $cfg "port" (int .Values.gateway.port) -}}
+{{- $_ := set $cfg "data_dir" "/var/lib/swiftkv" -}}
+{{- if include "swiftkv.keysEnabled" . -}}
+{{- $_ := set $cfg "api_keys_file" (printf "/etc/swiftkv/keys/%s" .Values.apiKeys.existingSecretKey) -}}
+{{- end -}}
+{{- if eq .Values.engines.mode "kuberay" -}}
+{{- $_ := set $cfg "ray_address" (printf "ray://%s-head-svc:10001" (include "swiftkv.rayService" .)) -}}
+{{- end -}}
+{{- if eq .Values.engines.mode "deployments" -}}
+{{- $pools := dict -}}
+{{- range $name, $pool := .Values.platform.pools -}}
+{{- $served := include "swiftkv.servedName" (list $ $name) -}}
+{{- $_ := set $pools $name (dict "backend" "remote" "model" $pool.model "tokenizer" ($pool.tokenizer | default $pool.model) "served_model_name" $served "url" (printf "http://%s:8000/v1" (include "swiftkv.poolService" (list $ $name)))) -}}
+{{- end -}}
+{{- $_ := set $cfg "pools" $pools -}}
+{{- end -}}
+{{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* vLLM engine_args as `vllm serve` flags: max_model_len: 2048 -> --max-model-len 2048, true -> the bare flag. */}}
+{{- define "swiftkv.vllmFlags" -}}
+{{- range $k, $v := . }}
+{{- if eq (kindOf $v) "bool" }}
+{{- if $v }}
+- --{{ $k | replace "_" "-" }}
+{{- end }}
+{{- else if or (eq (kindOf $v) "map") (eq (kindOf $v) "slice") }}
+- --{{ $k | replace "_" "-" }}
+- {{ toJson $v | quote }}
+{{- else }}
+- --{{ $k | replace "_" "-" }}
+- {{ $v | toString | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Init container preparing the models offline (serialised by a lock: several pods share the PVC). */}}
+{{- define "swiftkv.prepareModels" -}}
+{{- if .Values.models.prepare }}
+- name: prepare-models
+  image: {{ include "swiftkv.image" (include "swiftkv.engineImage" . | fromYaml) }}
+  imagePullPolicy: {{ (include "swiftkv.engineImage" . | fromYaml).pullPolicy }}
+  command: [sh, -c]
+  args:
+    - |
+      set -e
+      for name in {{ join " " .Values.models.prepare }}; do
+        flock /models/.prepare.lock swiftkv models prepare "$name" --dir /models
+      done
+  securityContext: {{- toYaml .Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - {name: models, mountPath: /models}
+    - {name: tmp, mountPath: /tmp}
+{{- end }}
+{{- end -}}
+
+{{- define "swiftkv.modelsVolume" -}}
+- name: models
+{{- if .Values.models.persistence.enabled }}
+  persistentVolumeClaim: {claimName: {{ include "swiftkv.modelsClaim" . }}}
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end -}}
+
+{{- define "swiftkv.engineResources" -}}
+{{- $r := deepCopy .Values.engines.resources -}}
+{{- if eq .Values.engines.accelerator "gpu" -}}
+{{- $limits := $r.limits | default dict -}}
+{{- $_ := set $limits "nvidia.com/gpu" (int .Values.engines.gpusPerEngine) -}}
+{{- $_ := set $r "limits" $limits -}}
+{{- end -}}
+{{- toYaml $r -}}
+{{- end -}}
