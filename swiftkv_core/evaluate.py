@@ -269,8 +269,10 @@ def long_context_agreement(t_model, s_model, tokenizer, docs: list[str], answer_
         ids = _chat_ids(tokenizer, [{"role": "user", "content": f"{doc}\n\n{LONG_REQUESTS[k % len(LONG_REQUESTS)]}"}])
         a = t_model.greedy_generate(ids, answer_tokens, swiftkv=False, eos_token_id=eos)
         b = s_model.greedy_generate(ids, answer_tokens, swiftkv=True, eos_token_id=eos)
-        # Position len(ids) - 1 + j predicts the teacher's answer token j, with the teacher's tokens before it.
-        s_logits = s_model(torch.tensor([ids + a[:-1]]), swiftkv=True).logits[0, len(ids) - 1 :]
+        # Position len(ids) - 1 + j predicts the teacher's answer token j, with the teacher's tokens before it;
+        # the LM head runs on those positions only.
+        hidden, _ = s_model.forward_upper_hidden(s_model.forward_lower(torch.tensor([ids + a[:-1]])), swiftkv=True)
+        s_logits = s_model.lm_head(hidden[0, len(ids) - 1 :])
         agree += (s_logits.argmax(-1) == torch.tensor(a)).sum().item()
         total += len(a)
         rouge += rouge_l([t for t in b if t != eos], [t for t in a if t != eos])

@@ -201,9 +201,10 @@ class LlamaSwiftKVForCausalLM(PreTrainedModel):
         return self.forward_upper(self.forward_lower(input_ids, position_ids), swiftkv, output_hidden_states)
 
     def forward_cached(self, input_ids: torch.Tensor, cache: KVCache, swiftkv: bool) -> torch.Tensor:
-        """Logits of new tokens given `cache` (K/V of every earlier token; updated in place): the whole prompt
-        on an empty cache (prefill), then one token per call. Same layers as forward_lower + forward_upper:
-        student K/V of the later layers come from norm_swiftkv(h_{l-1}) of each new token."""
+        """Logits [B, V] of the last of the new tokens given `cache` (K/V of every earlier token; updated in
+        place): the whole prompt on an empty cache (prefill), then one token per call. Same layers as
+        forward_lower + forward_upper: student K/V of the later layers come from norm_swiftkv(h_{l-1}) of each
+        new token. The LM head runs on the last token only (on a long prompt it costs as much as the layers)."""
         t = input_ids.shape[1]
         if cache.length and t != 1:
             raise ValueError("after the prefill, forward_cached takes one token per call")
@@ -221,7 +222,7 @@ class LlamaSwiftKVForCausalLM(PreTrainedModel):
                 kv = cache.append(i, *layer.self_attn.project_kv(kv_input, cos, sin, swiftkv=True))
             h = layer(h, cos, sin, swiftkv=student, kv=kv)
         cache.length += t
-        return self.lm_head(self.model.norm(h))
+        return self.lm_head(self.model.norm(h[:, -1]))
 
     def swiftkv_parameters(self) -> dict[str, nn.Parameter]:
         """The parameters distillation trains: norm_swiftkv and every *_proj_swiftkv."""
@@ -247,7 +248,7 @@ class LlamaSwiftKVForCausalLM(PreTrainedModel):
                 logits = self(torch.tensor([ids], device=device), swiftkv=swiftkv).logits[0, -1]
             else:
                 new = ids if cache.length == 0 else ids[-1:]
-                logits = self.forward_cached(torch.tensor([new], device=device), cache, swiftkv)[0, -1]
+                logits = self.forward_cached(torch.tensor([new], device=device), cache, swiftkv)[0]
             next_id = int(torch.argmax(logits))
             ids.append(next_id)
             if eos_token_id is not None and next_id == eos_token_id:

@@ -128,9 +128,9 @@ def test_cached_logits_match_the_full_forward(tiny_swiftkv_across):
         for swiftkv in (False, True):
             full = model(ids, swiftkv=swiftkv).logits[0]
             cache = KVCache()
-            steps = [model.forward_cached(ids[:, :12], cache, swiftkv)[0]]
-            steps += [model.forward_cached(ids[:, t : t + 1], cache, swiftkv)[0] for t in range(12, 20)]
-            assert torch.allclose(torch.cat(steps), full, atol=2e-4, rtol=1e-4)  # prefill vs one-token matmuls: float noise
+            steps = [model.forward_cached(ids[:, :12], cache, swiftkv)]  # the prefill: the last prompt token's logits
+            steps += [model.forward_cached(ids[:, t : t + 1], cache, swiftkv) for t in range(12, 20)]
+            assert torch.allclose(torch.cat(steps), full[11:], atol=2e-4, rtol=1e-4)  # prefill vs one-token matmuls: float noise
             assert cache.length == 20 and len(cache.kv) == (8 if not swiftkv else 4 + 2)
             with pytest.raises(ValueError, match="one token per call"):
                 model.forward_cached(ids[:, :2], cache, swiftkv)
