@@ -66,7 +66,7 @@ class DistillConfig:
     temperature: float = 2.0
     hidden_weight: float = 0.0  # weight of the MSE of the final normed hidden states (0 = off)
     train_scope: str = "swiftkv"  # swiftkv | full-layers
-    init: str = "snowflake"  # snowflake | lstsq (least-squares fit of the K/V projections to the teacher's)
+    init: str = "snowflake"  # snowflake | lstsq (least-squares fit of the K/V projections to the teacher's) | lstsq-qkv (and the queries)
     init_tokens: int = 32768  # tokens used by the lstsq initialisation
     lr: float = 2e-4
     weight_decay: float = 0.0
@@ -75,6 +75,7 @@ class DistillConfig:
     stop_at: int | None = None  # end training early at this step (schedule unchanged) and write the checkpoint
     batch_size: int = 4
     seq_len: int = 256
+    rows: int | None = None  # train on the first `rows` packed rows only (default: max_steps x batch_size)
     assistant_only: bool = True
     precision: str = "auto"  # auto | fp32 | bf16: autocast of the later layers (weights and optimizer stay float32)
     cache: str | None = None  # teacher cache folder (built on first use for this run's rows and layer l)
@@ -178,6 +179,42 @@ def lstsq_init(model: LlamaSwiftKVForCausalLM, data: PackedData, tokens: int, ri
             proj.weight.copy_(w.to(proj.weight.dtype))
             if proj.bias is not None:
                 proj.bias.zero_()
+
+
+@torch.no_grad()
+def lstsq_fit_queries(model: LlamaSwiftKVForCausalLM, data: PackedData, tokens: int, ridge: float = 1e-3) -> None:
+    """Fit each later layer's q_proj_swiftkv, in layer order, so that the student's queries match the teacher's.
+
+    The student's residual stream drifts from the teacher's once its K/V are approximations; layer i's
+    W = argmin ||LN_i(h_i^student) W^T - q_proj(LN_i(h_i^teacher))||^2 (ridge) lets its queries make up
+    for the drift seen so far. Both streams advance through layer i before layer i+1 is fitted.
+    """
+    cfg = model.config
+    rows = max(1, min(len(data), tokens // data.seq_len))
+    lower = [model.forward_lower(data.ids[r : r + 1]) for r in range(rows)]
+    h_t = [s.hidden for s in lower]
+    h_s = [s.hidden for s in lower]
+    kv_input = [model.model.norm_swiftkv(s.hidden) for s in lower]
+    shared: list = [None] * rows
+    d = cfg.hidden_size
+    for i in cfg.swiftkv_layers:
+        layer = model.model.layers[i]
+        attn = layer.self_attn
+        xtx = torch.zeros(d, d, dtype=torch.float64)
+        xty = torch.zeros(d, attn.q_proj.out_features, dtype=torch.float64)
+        for r, s in enumerate(lower):
+            if cfg.kv_group_leader(i) == i:
+                shared[r] = attn.project_kv(kv_input[r], s.cos, s.sin, swiftkv=True)
+            x = layer.input_layernorm(h_s[r])[0].double()
+            xtx += x.T @ x
+            xty += x.T @ attn.q_proj(layer.input_layernorm(h_t[r]))[0].double()
+        reg = ridge * torch.trace(xtx) / d * torch.eye(d, dtype=torch.float64)
+        attn.q_proj_swiftkv.weight.copy_(torch.linalg.solve(xtx + reg, xty).T.to(attn.q_proj_swiftkv.weight.dtype))
+        if attn.q_proj_swiftkv.bias is not None:
+            attn.q_proj_swiftkv.bias.copy_(attn.q_proj.bias)
+        for r, s in enumerate(lower):
+            h_t[r] = layer(h_t[r], s.cos, s.sin)
+            h_s[r] = layer(h_s[r], s.cos, s.sin, swiftkv=True, kv=shared[r])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -345,7 +382,7 @@ def _save_state(path: Path, step: int, trainable: dict, optimizer, scheduler, el
     os.replace(tmp, path)
 
 
-RESUME_KEYS = ("base", "data", "num_key_value_layers", "key_value_group_size", "loss", "train_scope", "batch_size", "seq_len", "seed", "max_steps", "init", "temperature", "hidden_weight", "lr")
+RESUME_KEYS = ("base", "data", "num_key_value_layers", "key_value_group_size", "loss", "train_scope", "batch_size", "seq_len", "rows", "seed", "max_steps", "init", "temperature", "hidden_weight", "lr")
 
 
 def _check_resume(out: Path, cfg: DistillConfig) -> None:
@@ -361,8 +398,8 @@ def _check_resume(out: Path, cfg: DistillConfig) -> None:
 def _check_settings(cfg: DistillConfig) -> None:
     if cfg.loss not in ("kl", "lm"):
         raise DistillError(f"loss must be 'kl' or 'lm', got {cfg.loss!r}")
-    if cfg.init not in ("snowflake", "lstsq"):
-        raise DistillError(f"init must be 'snowflake' or 'lstsq', got {cfg.init!r}")
+    if cfg.init not in ("snowflake", "lstsq", "lstsq-qkv"):
+        raise DistillError(f"init must be 'snowflake', 'lstsq' or 'lstsq-qkv', got {cfg.init!r}")
     if cfg.temperature <= 0 or cfg.max_steps < 1 or cfg.batch_size < 1:
         raise DistillError("temperature, max_steps and batch_size must be positive")
     use_bf16(cfg.precision)
@@ -388,19 +425,20 @@ def distill(cfg: DistillConfig) -> Path:
     _check_resume(out, cfg)
     (out / "run.json").write_text(json.dumps(asdict(cfg), indent=2))
 
-    # A run reads the first max_steps x batch_size rows (all of them if there are fewer), so a teacher cache
-    # needs only those, and cached and uncached runs see the same batches.
-    n_rows = min(len(data), cfg.max_steps * cfg.batch_size)
+    # A run reads the first `rows` rows (default max_steps x batch_size, all of them if there are fewer), in
+    # epochs when the steps ask for more; a teacher cache needs only those, and cached and uncached runs
+    # see the same batches.
+    n_rows = min(len(data), cfg.rows or cfg.max_steps * cfg.batch_size)
     cache = None
     if cfg.cache and not cfg.finalize:
         if (Path(cfg.cache) / teacher_cache.META_FILE).exists():
-            cache = teacher_cache.open_cache(cfg.cache, cfg.base, data, cfg.num_key_value_layers)
-            if cache.rows < n_rows:
-                raise teacher_cache.CacheError(f"{cfg.cache} holds {cache.rows} rows, this run reads {n_rows} (max_steps x batch_size): build a larger cache")
+            cache = teacher_cache.open_cache(cfg.cache, cfg.base, data, cfg.num_key_value_layers, n_rows)
         else:
             cache = teacher_cache.build(cfg.cache, cfg.base, data, [cfg.num_key_value_layers], n_rows, progress=cfg.progress)
-    if cfg.init == "lstsq" and not (out / STATE_FILE).exists():  # a resumed run loads its tensors instead
+    if cfg.init.startswith("lstsq") and not (out / STATE_FILE).exists():  # a resumed run loads its tensors instead
         lstsq_init(model, data, cfg.init_tokens)
+        if cfg.init == "lstsq-qkv":
+            lstsq_fit_queries(model, data, cfg.init_tokens // 2)
     trainable = trainable_parameters(model, cfg.train_scope)
     # With full-layers the later layers change, so the teacher needs its own frozen copy of them.
     teacher_upper = copy.deepcopy(model).requires_grad_(False) if cfg.train_scope == "full-layers" else model

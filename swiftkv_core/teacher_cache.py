@@ -10,8 +10,8 @@ teacher's output. One pass of the teacher over the data stores, per packed row a
 Every step then runs only the student's later layers and the head. The teacher's logits are one float32
 matmul of `final` with the (tied, frozen) head away: exact at any temperature, and 576 numbers per token
 for SmolLM2 where a top-k cache would be approximate. Rows are written in order and `meta.json` records
-how many are done, so an interrupted build resumes; the data and the base model are fingerprinted so a
-cache is never used with other data.
+how many are done: an interrupted build resumes, and a run that reads the first N rows can use a cache with
+N rows done. The data and the base model are fingerprinted so a cache is never used with other data.
 """
 
 from __future__ import annotations
@@ -80,18 +80,21 @@ def _write_meta(path: Path, meta: dict) -> None:
 
 @torch.no_grad()
 def build(path: str | Path, base: str | Path, data: PackedData, layers: list[int], rows: int, batch: int = 8, progress: bool = True) -> TeacherCache:
-    """Create or complete the cache in `path` for the first `rows` rows of `data` (resumes a partial build)."""
+    """Create the cache in `path` with room for `rows` rows of `data`, or extend a partial one, until its first
+    `rows` rows are done. A cache is a prefix store: a run that reads its first N rows needs N done."""
     from .modeling import load_model
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     rows = min(rows, len(data))
     layers = sorted(set(layers))
-    want = {"fingerprint": fingerprint(base, data), "base": str(base), "seq_len": data.seq_len, "rows": rows, "layers": layers}
+    want = {"fingerprint": fingerprint(base, data), "base": str(base), "seq_len": data.seq_len, "layers": layers}
     meta = _read_meta(path)
     if meta is not None and any(meta.get(k) != v for k, v in want.items()):
         diff = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
         raise CacheError(f"{path} holds a teacher cache for other settings {diff}; use another --cache or delete it")
+    if meta is not None and rows > meta["rows"]:
+        raise CacheError(f"{path} has room for {meta['rows']} rows, {rows} were asked for; build a new cache")
     model = load_model(str(base))  # the plain base model: its forward is the teacher's
     L, d = model.config.num_hidden_layers, model.config.hidden_size
     if any(not 0 < k < L for k in layers):
@@ -99,7 +102,7 @@ def build(path: str | Path, base: str | Path, data: PackedData, layers: list[int
     shape = (rows, data.seq_len, d)
     names = [f"hidden_{k}" for k in layers] + ["final"]
     if meta is None:
-        meta = {**want, "rows_done": 0, "dtype": "float32", "hidden_size": d}
+        meta = {**want, "rows": rows, "rows_done": 0, "dtype": "float32", "hidden_size": d}
         for name in names:
             np.lib.format.open_memmap(path / f"{name}.npy", mode="w+", dtype=np.float32, shape=shape).flush()
         _write_meta(path, meta)
@@ -132,17 +135,16 @@ def build(path: str | Path, base: str | Path, data: PackedData, layers: list[int
     return TeacherCache(path, meta)
 
 
-def open_cache(path: str | Path, base: str | Path, data: PackedData, layer: int) -> TeacherCache:
-    """A complete cache in `path` that matches `base` and `data` and holds `layer`, else CacheError."""
+def open_cache(path: str | Path, base: str | Path, data: PackedData, layer: int, rows: int) -> TeacherCache:
+    """The cache in `path` if it matches `base` and `data`, holds `layer` and has its first `rows` rows done."""
     path = Path(path)
     meta = _read_meta(path)
     if meta is None:
         raise CacheError(f"{path} holds no teacher cache; build it with `swiftkv distill-cache`")
-    if meta["rows_done"] < meta["rows"]:
-        raise CacheError(f"{path} is a partial teacher cache ({meta['rows_done']} of {meta['rows']} rows); run `swiftkv distill-cache` again to finish it")
     if meta["fingerprint"] != fingerprint(base, data) or meta["seq_len"] != data.seq_len:
         raise CacheError(f"{path} was built for other data, base model or seq_len; build a new cache for this run")
-    cache = TeacherCache(path, meta)
     if layer not in meta["layers"]:
-        raise CacheError(f"{path} holds layers {meta['layers']}, not {layer}; build it with `swiftkv distill-cache --layers` including {layer}")
-    return cache
+        raise CacheError(f"{path} holds layers {meta['layers']}, not {layer}; build one with `swiftkv distill-cache --layers` including {layer}")
+    if meta["rows_done"] < rows:
+        raise CacheError(f"{path} has {meta['rows_done']} rows done, this run reads {rows}; run `swiftkv distill-cache` again to extend it")
+    return TeacherCache(path, meta)

@@ -18,6 +18,7 @@ from swiftkv_core.distill import (
     distill_step,
     head_kl,
     kl_loss,
+    lstsq_fit_queries,
     lstsq_init,
     trainable_parameters,
 )
@@ -150,7 +151,12 @@ def test_lstsq_init_lowers_the_starting_kl(tiny_base, train_text):
         before = distill_step(model, model, ids, target, cfg)["kl"].item()
         lstsq_init(model, data, 2048)
         after = distill_step(model, model, ids, target, cfg)["kl"].item()
+        q_before = {n: p.clone() for n, p in model.named_parameters() if "q_proj_swiftkv" in n}
+        lstsq_fit_queries(model, data, 2048)
+        with_queries = distill_step(model, model, ids, target, cfg)["kl"].item()
     assert after < before
+    assert with_queries < after
+    assert all(not torch.equal(p, q_before[n]) for n, p in model.named_parameters() if n in q_before)
 
 
 def test_bad_inputs_give_clear_errors(tiny_base, tiny_swiftkv, train_text, tmp_path):
@@ -275,19 +281,22 @@ def test_cache_is_resumable_and_refuses_other_data(tiny_base, train_text, tmp_pa
     meta = json.loads((tmp_path / "part" / "meta.json").read_text())
     meta["rows_done"] = 3
     (tmp_path / "part" / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(teacher_cache.CacheError, match="partial"):
-        teacher_cache.open_cache(tmp_path / "part", tiny_base, data, 4)
+    assert teacher_cache.open_cache(tmp_path / "part", tiny_base, data, 4, rows=3).rows == 3  # a prefix serves
+    with pytest.raises(teacher_cache.CacheError, match="3 rows done, this run reads 8"):
+        teacher_cache.open_cache(tmp_path / "part", tiny_base, data, 4, rows=8)
     teacher_cache.build(tmp_path / "part", tiny_base, data, [4], rows=8, batch=3, progress=False)
     idx = torch.arange(8)
     assert torch.equal(whole.hidden(4, idx), part.hidden(4, idx)) and torch.equal(whole.final(idx), part.final(idx))
     with pytest.raises(teacher_cache.CacheError, match="not 5"):
-        teacher_cache.open_cache(tmp_path / "whole", tiny_base, data, 5)
+        teacher_cache.open_cache(tmp_path / "whole", tiny_base, data, 5, rows=8)
     other = tmp_path / "other.txt"
     other.write_text(TEXT[::-1])
     with pytest.raises(teacher_cache.CacheError, match="other data"):
-        teacher_cache.open_cache(tmp_path / "whole", tiny_base, load_packed(other, tok, 32), 4)
+        teacher_cache.open_cache(tmp_path / "whole", tiny_base, load_packed(other, tok, 32), 4, rows=8)
     with pytest.raises(teacher_cache.CacheError, match="other settings"):
         teacher_cache.build(tmp_path / "whole", tiny_base, data, [4, 5], rows=8, progress=False)
+    with pytest.raises(teacher_cache.CacheError, match="room for 8 rows"):
+        teacher_cache.build(tmp_path / "whole", tiny_base, data, [4], rows=9, progress=False)
 
 
 def test_a_cached_run_matches_the_uncached_run_and_resumes_exactly(tiny_base, train_text, tmp_path):
@@ -300,3 +309,6 @@ def test_a_cached_run_matches_the_uncached_run_and_resumes_exactly(tiny_base, tr
     assert loss[cached] == pytest.approx(loss[plain], rel=1e-4)
     assert loss[resumed] == pytest.approx(loss[cached], rel=1e-5)
     assert json.loads((cached / "summary.json").read_text())["teacher_cache"] == str(tmp_path / "cache")
+    # --rows: epochs over the first rows only, through the same cache.
+    epochs = distill(_cfg(tiny_base, tmp_path / "epochs", train_text, cache=str(tmp_path / "cache"), rows=4))
+    assert len((epochs / "metrics.jsonl").read_text().splitlines()) == 6
