@@ -241,6 +241,21 @@ def test_bad_fields_are_400_naming_the_field(client):
     assert "unsupported field: frobnicate" in e.value.body["message"]
 
 
+def test_out_of_range_seed_is_400_and_the_pool_keeps_serving(server, client):
+    for pool in ("decode", "prefill"):
+        ask = dict(model=f"{PUBLIC}-{pool}", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**ask, seed=2**70)
+        assert e.value.body["param"] == "seed" and e.value.body["type"] == "invalid_request_error"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**ask, seed=-(2**63) - 1)
+        assert e.value.body["param"] == "seed"
+        for seed in (2**63 - 1, -(2**63)):  # the signed 64-bit range is served, by the same pool
+            raw = client.chat.completions.with_raw_response.create(**ask, seed=seed)
+            assert raw.status_code == 200 and route(raw.headers)["pool"] == pool
+    assert httpx.get(f"{server}/ready").json()["ready"] is True
+
+
 def test_prompt_too_long_says_the_limit(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=PUBLIC, prompt=[5] * (MAX_MODEL_LEN + 10), max_tokens=2)

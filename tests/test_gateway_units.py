@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
 
 from services.gateway.auth import KeyStore, RateLimiter, digest, load_keys
 from services.gateway.errors import APIError
 from services.gateway.routing import NoPoolAvailable, PoolState, RoutePolicy
-from services.serving.config import DEFAULT_CONFIG, RoutingConfig, load_config
+from services.serving.backend import BackendDown, BackendError, ChoiceDelta, Output
+from services.serving.config import DEFAULT_CONFIG, PlatformConfig, RoutingConfig, load_config
 
 
 def pools(prefill_ready=True, decode_ready=True):
@@ -116,3 +120,49 @@ def test_config_errors_are_clear(tmp_path):
     bad.write_text("pools: {decode: {model: x, typo: 1}}\n")
     with pytest.raises(ValueError, match="typo"):
         load_config(bad)
+
+
+class ScriptedBackend:
+    """A backend that answers one token, or raises the error it is given: the gateway's side of failures."""
+
+    name = "decode"
+
+    def __init__(self):
+        self.error: Exception | None = None
+
+    async def generate(self, request):
+        if self.error is not None:
+            raise self.error
+        yield Output([ChoiceDelta(0, "x", 1, "length")])
+
+    async def health(self) -> bool:
+        return True
+
+
+def test_a_failed_request_leaves_the_pool_in_routing_a_dead_pool_leaves_it(tiny_base):
+    from services.gateway.app import Gateway, create_app
+    from services.gateway.prompts import Prompter
+
+    cfg = PlatformConfig(model="m", pools={"decode": {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}})
+    backend = ScriptedBackend()
+    gateway = Gateway(cfg, {"decode": backend}, Prompter(str(tiny_base)), KeyStore({}))
+    pool = gateway.pools["decode"]
+    pool.ready = True
+    body = {"model": "m", "prompt": "hello", "max_tokens": 1}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gateway)), base_url="http://gw") as c:
+            backend.error = BackendError("pool decode: OverflowError: int too big to convert")  # one request's failure
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+            assert pool.ready
+            backend.error = None
+            assert (await c.post("/v1/completions", json=body)).status_code == 200  # the next request is served
+            backend.error = BackendDown("pool decode: EngineDeadError")
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+            assert not pool.ready
+            r = await c.post("/v1/completions", json=body)  # routed around: nothing reaches the dead engine
+            assert r.status_code == 503 and "not available" in r.json()["error"]["message"]
+
+    asyncio.run(run())

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from services.serving.backend import Backend, BackendError, BadRequest, GenerateRequest, Output, SamplingOptions
+from services.serving.backend import Backend, BackendDown, BackendError, BadRequest, GenerateRequest, Output, SamplingOptions
 from services.serving.config import PlatformConfig
 
 from . import metrics
@@ -198,8 +198,9 @@ class Gateway:
         except (asyncio.CancelledError, GeneratorExit):
             status = "client_disconnect"
             raise
-        except BackendError:
-            # The pool failed: route around it now; the health watcher brings it back once it answers.
+        except BackendDown:
+            # The pool cannot serve (engine dead, server unreachable): route around it now; the health
+            # watcher brings it back once it answers. A failure of one request leaves the pool in routing.
             pool.ready = False
             metrics.pool_ready.labels(pool.name).set(0)
             raise
@@ -311,11 +312,8 @@ class Gateway:
                         ch.finish_reason = c.finish_reason or ch.finish_reason
                         if c.logprobs:
                             ch.logprobs.extend(c.logprobs)
-        except BadRequest as e:
-            return 400, error_body(str(e))
-        except BackendError as e:
-            log.warning("%s", e)
-            return 503, error_body("the engine failed to serve this request; try again", "server_error", code="unavailable")
+        except (BadRequest, BackendError) as e:
+            return failure(e)
         completion_tokens = sum(c.tokens for c in choices)
         return 200, r.full(choices, _usage(prompt_tokens, completion_tokens))
 
@@ -353,16 +351,24 @@ class Gateway:
                 async for out in s:
                     completion_tokens += sum(c.num_tokens for c in out.choices)
                     yield _event(r.chunk(out), include_usage)
-        except BadRequest as e:
-            yield sse_error(str(e), "invalid_request_error")
-            return
-        except BackendError as e:
-            log.warning("%s", e)
-            yield sse_error("the engine failed to serve this request", code="unavailable")
+        except (BadRequest, BackendError) as e:
+            status, body = failure(e)
+            yield sse_error(body["error"]["message"], body["error"]["type"], body["error"]["code"])
             return
         if include_usage:
             yield _event(r.usage_chunk(_usage(prompt_tokens, completion_tokens)), False)
         yield b"data: [DONE]\n\n"
+
+
+def failure(e: BadRequest | BackendError) -> tuple[int, dict]:
+    """A request the engine refused or failed: (status, OpenAI error body). Only a pool that is down is a
+    503 (retry elsewhere or later); one request's failure is a 500."""
+    if isinstance(e, BadRequest):
+        return 400, error_body(str(e))
+    log.warning("%s", e)
+    if isinstance(e, BackendDown):
+        return 503, error_body("the engine failed to serve this request; try again", "server_error", code="unavailable")
+    return 500, error_body("the engine failed to serve this request", "server_error")
 
 
 def _usage(prompt: int, completion: int) -> dict:

@@ -10,6 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import bad_request
 
 
+MAX_INT32 = 2**31 - 1  # token counts: far above any context, small enough for every engine
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -38,7 +41,7 @@ class Sampling(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # the engine takes a signed 64-bit seed
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stream: bool = False
@@ -68,8 +71,8 @@ class Sampling(Strict):
 
 class ChatCompletionRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -84,7 +87,7 @@ class ChatCompletionRequest(Sampling):
 
 class CompletionRequest(Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None

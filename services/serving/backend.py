@@ -65,7 +65,12 @@ class Load:
 
 
 class BackendError(RuntimeError):
-    """The backend could not serve the request (engine dead, remote unreachable...)."""
+    """The backend failed to serve this one request; the pool keeps serving the others."""
+
+
+class BackendDown(BackendError):
+    """The pool cannot serve at all (engine dead, remote server unreachable): the gateway routes around it
+    until its health watcher sees it healthy again."""
 
 
 class BadRequest(ValueError):

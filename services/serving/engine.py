@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from .backend import BackendError, BadRequest, ChoiceDelta, GenerateRequest, Load, Output, SamplingOptions, TokenLogprob
+from .backend import BackendDown, BackendError, BadRequest, ChoiceDelta, GenerateRequest, Load, Output, SamplingOptions, TokenLogprob
 
 log = logging.getLogger("swiftkv.engine")
 
@@ -138,7 +138,7 @@ class VLLMEngine:
         from vllm.exceptions import VLLMClientError
 
         if self.llm is None:
-            raise BackendError(f"pool {self.name}: engine not started")
+            raise BackendDown(f"pool {self.name}: engine not started")
         params = to_sampling_params(request.sampling)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
         self._running += 1
@@ -169,11 +169,18 @@ class VLLMEngine:
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:
-            raise BackendError(f"pool {self.name}: {type(e).__name__}: {e}") from e
+            # Only a dead engine takes the pool down; anything else failed this one request.
+            error = BackendDown if self.dead else BackendError
+            raise error(f"pool {self.name}: {type(e).__name__}: {e}") from e
         finally:
             self._running -= 1
             if not prefilled:
                 self._queued_tokens -= len(request.prompt_token_ids)
+
+    @property
+    def dead(self) -> bool:
+        """The engine is gone (its core process died or it was never built): only a restart helps."""
+        return self.llm is None or self.llm.errored
 
     async def health(self) -> bool:
         if self.llm is None or not self.ready:

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from .backend import BackendError, BadRequest, GenerateRequest, Load, Output
+from .backend import BackendDown, BackendError, BadRequest, GenerateRequest, Load, Output
 from .config import PoolConfig
 from .engine import VLLMEngine
 
@@ -78,7 +78,7 @@ class RayBackend:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
         if self.handle is None:
-            raise BackendError(f"pool {self.name}: not deployed")
+            raise BackendDown(f"pool {self.name}: not deployed")
         stream = self.handle.options(stream=True).generate.remote(request)
         self._running += 1
         self._queued_tokens += len(request.prompt_token_ids)

@@ -11,7 +11,7 @@ from typing import AsyncIterator
 
 import httpx
 
-from .backend import BackendError, BadRequest, ChoiceDelta, GenerateRequest, Load, Output, TokenLogprob
+from .backend import BackendDown, BackendError, BadRequest, ChoiceDelta, GenerateRequest, Load, Output, TokenLogprob
 
 
 class RemoteBackend:
@@ -29,7 +29,7 @@ class RemoteBackend:
 
     async def start(self) -> None:
         if not await self.health():
-            raise BackendError(f"pool {self.name}: remote server {self.base} is not reachable")
+            raise BackendDown(f"pool {self.name}: remote server {self.base} is not reachable")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
         s = request.sampling
@@ -69,6 +69,8 @@ class RemoteBackend:
                         self._queued_tokens -= len(request.prompt_token_ids)
                     if choices:
                         yield Output(choices)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # the server is unreachable: the pool is down
+            raise BackendDown(f"pool {self.name}: {type(e).__name__}: {e}") from e
         except httpx.HTTPError as e:
             raise BackendError(f"pool {self.name}: {type(e).__name__}: {e}") from e
         finally:
