@@ -321,10 +321,18 @@ def test_files_and_batches_list_with_pagination(client):
         client.batches.cancel(batches[0])  # completed: nothing to cancel
 
 
-def test_cancel_stops_new_lines_and_keeps_partial_output(client):
+def test_cancel_stops_new_lines_and_keeps_partial_output(platform, client):
     lines = [chat_line(f"c{i}", "Tell a long story.", max_tokens=200) for i in range(40)]
     b = submit(client, lines)
     wait_for(client, b.id, lambda x: x.request_counts.completed >= 2)
+    m = scrape(platform.base)  # no live traffic: the whole bound is in use, and never more
+    assert 1 <= metric(m, "swiftkv_batch_requests_in_flight") <= 2 * BATCH["max_in_flight"]
+    assert all(metric(m, "swiftkv_batch_requests_in_flight", pool=pool) <= BATCH["max_in_flight"] for pool in ("prefill", "decode"))
+    assert metric(m, "swiftkv_batch_in_flight_limit", pool="decode") == BATCH["max_in_flight"]
+    live = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          extra_body={"ignore_eos": True})  # live traffic is served beside the batch
+    assert live.usage.completion_tokens == 3
+    assert metric(scrape(platform.base), "swiftkv_requests_total", source="live", status="ok") >= 1
     c = client.batches.cancel(b.id)
     assert c.status in ("cancelling", "cancelled") and c.cancelling_at
     b = finished(client, b.id, timeout=60)
@@ -337,7 +345,8 @@ def test_cancel_stops_new_lines_and_keeps_partial_output(client):
 
 
 def test_expired_batch_keeps_the_lines_done(client):
-    lines = [chat_line(f"e{i}", "Tell a long story.", max_tokens=200) for i in range(60)]
+    # The first lines are short, so some are done well inside the window even on a busy machine.
+    lines = [chat_line(f"e{i}", "Tell a long story.", max_tokens=2 if i < 4 else 200) for i in range(60)]
     b = submit(client, lines, window="5s")
     assert b.completion_window == "5s" and b.expires_at - b.created_at == 5
     b = finished(client, b.id, timeout=120)

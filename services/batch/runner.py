@@ -177,8 +177,8 @@ class Job:
             await asyncio.gather(*workers)
         finally:
             keeper.cancel()
-            for w in workers:
-                w.cancel()
+            for task in [*workers, *self.serving]:  # on shutdown, abort the engine requests too
+                task.cancel()
             await asyncio.gather(keeper, *workers, return_exceptions=True)
 
     async def keep_lease(self) -> None:
@@ -193,7 +193,11 @@ class Job:
                 await asyncio.wait_for(self.stop.wait(), min(r.cfg.lease_seconds / 3, left))
             if self.stop.is_set():
                 return
-            row = await asyncio.to_thread(r.store.renew, self.id, r.worker, r.cfg.lease_seconds)
+            try:
+                row = await asyncio.to_thread(r.store.renew, self.id, r.worker, r.cfg.lease_seconds)
+            except Exception as e:  # the database is away: keep working, try again next tick
+                log.warning("batch %s: renewing the lease: %s", self.id, e)
+                continue
             if row is None:
                 self.halt("lost")
             elif row["status"] == "cancelling":
