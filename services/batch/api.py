@@ -7,7 +7,6 @@ in OpenAI's error envelope.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from fastapi import APIRouter, Request
@@ -69,8 +68,7 @@ def build_router(service) -> APIRouter:
     def owner(request: Request) -> str:
         return gateway.keys.identify(request.headers.get("authorization"))
 
-    async def db(fn, *args):
-        return await asyncio.to_thread(fn, *args)
+    db = service.io
 
     # ---- files -----------------------------------------------------------------------------------
     @router.post("/v1/files")
@@ -89,7 +87,7 @@ def build_router(service) -> APIRouter:
                 raise bad_request("a multipart field 'file' with the file's contents is required", param="file")
             file_id = new_id("file-")
             try:
-                size = await asyncio.to_thread(files.save, file_id, upload.file, cfg.max_file_bytes)
+                size = await db(files.save, file_id, upload.file, cfg.max_file_bytes)
             except FileTooLarge as e:
                 raise APIError(400, f"{e}", param="file", code="file_too_large")
             record = {"id": file_id, "owner": who, "purpose": purpose, "filename": (upload.filename or "upload")[:512],
@@ -135,7 +133,7 @@ def build_router(service) -> APIRouter:
             raise APIError(409, f"{file_id} is the input of a batch that is still running; cancel the batch first",
                            param="file_id", code="file_in_use")
         if await db(store.delete_file, f["owner"], f["id"]):
-            await asyncio.to_thread(files.delete, f["id"])
+            await db(files.delete, f["id"])
         return {"id": f["id"], "object": "file", "deleted": True}
 
     # ---- batches ---------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from . import metrics
 from .files import FileStore
 from .jsonl import ENDPOINTS, Line, error, parse_input
 from .store import BatchStore
+from .threads import Threads
 
 log = logging.getLogger("swiftkv.batch")
 
@@ -49,11 +50,12 @@ class PoolSlots:
 
     @asynccontextmanager
     async def __call__(self, pool: str) -> AsyncIterator[None]:
-        # Live load changes without telling us: re-check every 20 ms, or at once when a batch request ends.
+        # Re-check when a batch request ends, and every 100 ms for live requests coming and going (they do
+        # not tell us; batch work can wait that long).
         while self.busy[pool] >= self.allowed(pool):
             self.freed.clear()
             with suppress(TimeoutError):
-                await asyncio.wait_for(self.freed.wait(), 0.02)
+                await asyncio.wait_for(self.freed.wait(), 0.1)
         self.busy[pool] += 1
         metrics.in_flight.labels(pool).inc()
         try:
@@ -67,8 +69,8 @@ class PoolSlots:
 class Runner:
     """One per gateway process; several processes on one database share the work through leases."""
 
-    def __init__(self, store: BatchStore, files: FileStore, gateway, cfg: BatchConfig):
-        self.store, self.files, self.gateway, self.cfg = store, files, gateway, cfg
+    def __init__(self, store: BatchStore, files: FileStore, gateway, cfg: BatchConfig, io: Threads):
+        self.store, self.files, self.gateway, self.cfg, self.io = store, files, gateway, cfg, io
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.slots = PoolSlots(cfg, gateway.live_waiting)
         self.jobs: dict[str, Job] = {}
@@ -78,7 +80,7 @@ class Runner:
         while True:
             try:
                 if len(self.jobs) < self.cfg.max_active_batches and any(p.ready for p in self.gateway.pools.values()):
-                    batch = await asyncio.to_thread(self.store.claim, self.worker, self.cfg.lease_seconds)
+                    batch = await self.io(self.store.claim, self.worker, self.cfg.lease_seconds)
                     if batch is not None:
                         self.start_job(batch)
                         continue
@@ -108,7 +110,7 @@ class Runner:
         await asyncio.gather(*(j.task for j in jobs), return_exceptions=True)
         for job in jobs:
             with suppress(Exception):
-                await asyncio.to_thread(self.store.release, job.id, self.worker)
+                await self.io(self.store.release, job.id, self.worker)
 
 
 class Job:
@@ -133,17 +135,17 @@ class Job:
     async def run(self) -> None:
         r = self.runner
         try:
-            lines, errors = await asyncio.to_thread(self.read_input)
+            lines, errors = await r.io(self.read_input)
             if errors:
-                await asyncio.to_thread(r.store.finish, self.id, r.worker, {
+                await r.io(r.store.finish, self.id, r.worker, {
                     "status": "failed", "failed_at": int(time.time()), "errors": {"object": "list", "data": errors}}, [])
                 metrics.finished.labels("failed").inc()
                 return
             if self.batch["status"] == "validating":
-                await asyncio.to_thread(r.store.update_held, self.id, r.worker, status="in_progress",
+                await r.io(r.store.update_held, self.id, r.worker, status="in_progress",
                                         in_progress_at=int(time.time()), total=len(lines))
                 self.batch["status"] = "in_progress"
-            done = await asyncio.to_thread(r.store.done_lines, self.id)
+            done = await r.io(r.store.done_lines, self.id)
             todo = deque(line for line in lines if line.number not in done)
             if self.batch["status"] == "cancelling":
                 self.reason = "cancelled"
@@ -160,7 +162,7 @@ class Job:
         except Exception:
             log.exception("batch %s: runner error; the lease is released for a retry", self.id)
             with suppress(Exception):
-                await asyncio.to_thread(r.store.release, self.id, r.worker)
+                await r.io(r.store.release, self.id, r.worker)
             await asyncio.sleep(r.cfg.poll_seconds)
 
     def read_input(self) -> tuple[list[Line], list[dict]]:
@@ -190,11 +192,12 @@ class Job:
                 self.halt("expired")
                 return
             with suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), min(r.cfg.lease_seconds / 3, left))
+                # Renewing also reads the status: a cancel made through another gateway shows up within poll_seconds.
+                await asyncio.wait_for(self.stop.wait(), min(r.cfg.lease_seconds / 3, r.cfg.poll_seconds, left))
             if self.stop.is_set():
                 return
             try:
-                row = await asyncio.to_thread(r.store.renew, self.id, r.worker, r.cfg.lease_seconds)
+                row = await r.io(r.store.renew, self.id, r.worker, r.cfg.lease_seconds)
             except Exception as e:  # the database is away: keep working, try again next tick
                 log.warning("batch %s: renewing the lease: %s", self.id, e)
                 continue
@@ -234,16 +237,16 @@ class Job:
                 continue
             break
         request_id = body["id"].split("-", 1)[-1] if status == 200 and isinstance(body.get("id"), str) else secrets.token_hex(12)
-        await asyncio.to_thread(r.store.record, self.id, line.number, line.custom_id, status, request_id, body)
+        await r.io(r.store.record, self.id, line.number, line.custom_id, status, request_id, body)
 
     async def finalize(self, lines: list[Line], final: str) -> None:
         r = self.runner
         if final == "completed":
-            await asyncio.to_thread(r.store.update_held, self.id, r.worker, status="finalizing", finalizing_at=int(time.time()))
-        new_files, values = await asyncio.to_thread(self.write_outputs, lines, final)
+            await r.io(r.store.update_held, self.id, r.worker, status="finalizing", finalizing_at=int(time.time()))
+        new_files, values = await r.io(self.write_outputs, lines, final)
         now = int(time.time())
         values |= {"status": final, f"{final}_at": now}
-        if await asyncio.to_thread(r.store.finish, self.id, r.worker, values, new_files):
+        if await r.io(r.store.finish, self.id, r.worker, values, new_files):
             metrics.finished.labels(final).inc()
             log.info("batch %s %s", self.id, final)
 

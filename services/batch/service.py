@@ -12,6 +12,7 @@ from .api import build_router
 from .files import FileStore
 from .runner import Runner
 from .store import BatchStore
+from .threads import Threads
 
 
 class BatchService:
@@ -22,7 +23,8 @@ class BatchService:
         self.gateway = gateway
         self.store = BatchStore(cfg.database_url or f"sqlite:///{data_dir / 'swiftkv.db'}")
         self.files = FileStore(data_dir / "files")
-        self.runner = Runner(self.store, self.files, gateway, cfg.batch)
+        self.io = Threads()
+        self.runner = Runner(self.store, self.files, gateway, cfg.batch, self.io)
         self.router = build_router(self)
         self._task: asyncio.Task | None = None
 
@@ -35,4 +37,5 @@ class BatchService:
             with suppress(asyncio.CancelledError):
                 await self._task
         await self.runner.stop()
+        self.io.close()
         self.store.close()
