@@ -1,0 +1,142 @@
+"""Grafana dashboards of the platform, built with Grafana's own builder library (grafana-foundation-sdk).
+
+`python deploy/grafana/dashboards.py` writes them into the chart (deploy/helm/swiftkv/files/dashboards/),
+which ships each as a ConfigMap for Grafana's dashboard sidecar; tests/test_deploy.py checks that the
+committed JSON is what this file builds and runs every panel query against a real Prometheus.
+
+Engine panels read vLLM's own metric names. Under Ray Serve the replicas export them through Ray as
+`ray_vllm_*` (':' becomes '_'), so every engine query selects both spellings by `__name__`; only one of
+them exists in a given deployment, so nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import dashboard, prometheus, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.dashboard import DataSourceRef
+
+OUT = Path(__file__).resolve().parents[1] / "helm" / "swiftkv" / "files" / "dashboards"
+RATE = "$__rate_interval"
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+
+
+def vllm(name: str) -> str:
+    """Selector of a vLLM metric under both names: `vllm:x` (in-process engines, vLLM servers, the gateway's
+    /metrics) and `ray_vllm_x` (Ray Serve replicas scraped from Ray's metrics port)."""
+    ray = "ray_vllm_" + name
+    if name.endswith("_total"):  # Ray's exporter may or may not add the counter suffix
+        ray = "ray_vllm_" + name[: -len("_total")] + "(_total)?"
+    return '{__name__=~"vllm:%s|%s"}' % (name, ray)
+
+
+def quantiles(metric: str, by: str, qs=(0.5, 0.9, 0.99)) -> list[tuple[str, str]]:
+    return [(f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}[{RATE}])))", f"{{{{{by}}}}} p{round(q * 100)}") for q in qs]
+
+
+@dataclass
+class Panel:
+    title: str
+    unit: str
+    targets: list[tuple[str, str]]  # (PromQL, legend)
+    description: str = ""
+
+
+ROWS: dict[str, list[Panel]] = {
+    "Latency (gateway, per pool)": [
+        Panel("Time to first token", "s", quantiles("swiftkv_time_to_first_token_seconds_bucket", "pool"),
+              "Request received to first token sent, live and batch requests"),
+        Panel("Time per output token", "s", quantiles("swiftkv_time_per_output_token_seconds_bucket", "pool")),
+        Panel("End-to-end latency", "s", quantiles("swiftkv_e2e_request_latency_seconds_bucket", "pool")),
+        Panel("Gateway overhead p99", "s", quantiles("swiftkv_gateway_overhead_seconds_bucket", "pool", (0.99,)),
+              "Parsing, auth, tokenization, limits and routing before dispatch"),
+    ],
+    "Traffic": [
+        Panel("Requests by route reason", "reqps",
+              [(f"sum by (pool, reason) (rate(swiftkv_route_decisions_total[{RATE}]))", "{{pool}} {{reason}}")]),
+        Panel("Requests by outcome", "reqps",
+              [(f"sum by (pool, status) (rate(swiftkv_requests_total[{RATE}]))", "{{pool}} {{status}}"),
+               (f"sum by (reason) (rate(swiftkv_requests_rejected_total[{RATE}]))", "rejected {{reason}}")]),
+        Panel("Prompt tokens/s", "short",
+              [(f"sum by (pool) (rate(swiftkv_prompt_tokens_total[{RATE}]))", "{{pool}}")]),
+        Panel("Output tokens/s", "short",
+              [(f"sum by (pool) (rate(swiftkv_generation_tokens_total[{RATE}]))", "{{pool}}")]),
+    ],
+    "Pools: backlog and queues": [
+        Panel("Backlog (prompt tokens not yet prefilled)", "short",
+              [("sum by (pool) (swiftkv_pool_backlog_tokens)", "{{pool}}")]),
+        Panel("Requests in flight (gateway)", "short",
+              [("sum by (pool) (swiftkv_requests_in_flight)", "{{pool}}")]),
+        Panel("Engine queue depth", "short",
+              [(f"sum by (model_name) ({vllm('num_requests_running')})", "{{model_name}} running"),
+               (f"sum by (model_name) ({vllm('num_requests_waiting')})", "{{model_name}} waiting")]),
+        Panel("Pool ready", "short", [("min by (pool) (swiftkv_pool_ready)", "{{pool}}")]),
+    ],
+    "Engines (vLLM)": [
+        Panel("Engine time to first token", "s", quantiles(vllm("time_to_first_token_seconds_bucket"), "model_name")),
+        Panel("Inter-token latency", "s", quantiles(vllm("inter_token_latency_seconds_bucket"), "model_name")),
+        Panel("KV cache usage", "percentunit",
+              [(f"max by (model_name) ({vllm('kv_cache_usage_perc')})", "{{model_name}}")]),
+        Panel("Engine queue time p90", "s", quantiles(vllm("request_queue_time_seconds_bucket"), "model_name", (0.9,))),
+        Panel("Engine tokens/s", "short",
+              [(f"sum by (model_name) (rate({vllm('prompt_tokens_total')}[{RATE}]))", "{{model_name}} prompt"),
+               (f"sum by (model_name) (rate({vllm('generation_tokens_total')}[{RATE}]))", "{{model_name}} output")]),
+    ],
+    "Batch API": [
+        Panel("Batch requests in flight and allowed", "short",
+              [("sum by (pool) (swiftkv_batch_requests_in_flight)", "{{pool}} in flight"),
+               ("min by (pool) (swiftkv_batch_in_flight_limit)", "{{pool}} allowed")]),
+        Panel("Batch lines served", "reqps",
+              [(f'sum by (pool, status) (rate(swiftkv_requests_total{{source="batch"}}[{RATE}]))', "{{pool}} {{status}}")]),
+        Panel("Batches finished", "short",
+              [("sum by (status) (swiftkv_batches_finished_total)", "{{status}}")]),
+    ],
+}
+
+
+def build() -> dict:
+    board = (
+        dashboard.Dashboard("SwiftKV serving")
+        .uid("swiftkv-serving")
+        .tags(["swiftkv", "vllm"])
+        .description("Gateway latency and routing per pool, engine (vLLM) queues and KV cache, Batch API")
+        .refresh("30s")
+        .time("now-1h", "now")
+        .with_variable(dashboard.DatasourceVariable("datasource").label("Prometheus").type("prometheus"))
+    )
+    for row, panels in ROWS.items():
+        board = board.with_row(dashboard.Row(row))
+        for p in panels:
+            panel = (timeseries.Panel().title(p.title).unit(p.unit).datasource(DATASOURCE).span(12 if len(panels) < 4 else 6).height(8))
+            if p.description:
+                panel = panel.description(p.description)
+            for i, (expr, legend) in enumerate(p.targets):
+                panel = panel.with_target(prometheus.Dataquery().expr(expr).legend_format(legend).ref_id("ABCDEFGH"[i]).datasource(DATASOURCE))
+            board = board.with_panel(panel)
+    return json.loads(JSONEncoder(sort_keys=True, indent=2).encode(board.build()))
+
+
+def dashboards() -> dict[str, dict]:
+    """File name -> dashboard JSON."""
+    return {"swiftkv-serving.json": build()}
+
+
+def queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every panel target, as the dashboards hold them."""
+    return [(p.title, expr) for panels in ROWS.values() for p in panels for expr, _ in p.targets]
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, board in dashboards().items():
+        (OUT / name).write_text(json.dumps(board, indent=2, sort_keys=True) + "\n")
+        print(OUT / name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
