@@ -5,9 +5,9 @@
 #   scripts/frontier.sh eval ROW...     evaluate them (skips a row whose result file exists)
 #   scripts/frontier.sh speed L[:G]...  prefill speed-up of a layout (undistilled weights: same cost)
 #
-# Every row: least-squares K/V init, then KL distillation on the same 256,000 tokens (125 steps x 8 x 256,
-# the first 1,000 packed rows of data/mix/train.jsonl) through one teacher cache; lr 1e-3, linear schedule
-# with 5% warm-up. Needs `swiftkv models prepare smollm2-135m-instruct` and `swiftkv data prepare --out data/mix`.
+# Every row: least-squares K/V init, then KL distillation (T = 2) for the same 256,000 training tokens
+# (125 steps x 8 rows x 256 tokens: two epochs over the first 512 packed rows of data/mix/train.jsonl)
+# through one teacher cache; lr 1e-3, linear schedule with 5% warm-up. Needs `swiftkv models prepare smollm2-135m-instruct` and `swiftkv data prepare --out data/mix`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SWIFTKV=${SWIFTKV:-.venv/bin/swiftkv}
@@ -26,13 +26,15 @@ declare -A ROW=(
   [l20-hidden]="--num-key-value-layers 20 --hidden-weight 1"
   [l18-g2]="--num-key-value-layers 18 --key-value-group-size 2"
   [l20-g2]="--num-key-value-layers 20 --key-value-group-size 2"
+  [l20-qkv]="--num-key-value-layers 20 --init lstsq-qkv"
 )
 COMMON=(--base "$BASE" --data "$DATA/train.jsonl" --cache "$CACHE" --init lstsq --lr 1e-3 --max-steps 125
-        --batch-size 8 --seq-len 256 --checkpoint-every 25)
+        --batch-size 8 --seq-len 256 --rows 512 --checkpoint-every 25)
+# THREADS=1 keeps one core free for other work (the results do not depend on it).
+THREADS_FLAG=(); [ -n "${THREADS:-}" ] && THREADS_FLAG=(--threads "$THREADS")
 
 cache() {
-  [ -f "$CACHE/meta.json" ] && python3 -c "import json,sys; m=json.load(open('$CACHE/meta.json')); sys.exit(m['rows_done']<m['rows'])" && return
-  "$SWIFTKV" distill-cache --base "$BASE" --data "$DATA/train.jsonl" --out "$CACHE" --layers 15,18,20,22 --rows 1000 --seq-len 256
+  "$SWIFTKV" distill-cache --base "$BASE" --data "$DATA/train.jsonl" --out "$CACHE" --layers 15,18,20,22 --rows 512 --seq-len 256 "${THREADS_FLAG[@]}"
 }
 
 train() {
@@ -41,7 +43,7 @@ train() {
     [ -n "${ROW[$name]:-}" ] || { echo "unknown row $name (known: ${!ROW[*]})" >&2; exit 2; }
     [ -f "$RUNS/$name/summary.json" ] && continue
     # shellcheck disable=SC2086
-    "$SWIFTKV" distill "${COMMON[@]}" --out "$RUNS/$name" ${ROW[$name]}
+    "$SWIFTKV" distill "${COMMON[@]}" "${THREADS_FLAG[@]}" --out "$RUNS/$name" ${ROW[$name]}
   done
 }
 
@@ -50,7 +52,7 @@ evaluate() {
     for text in heldout heldout_manpages; do
       out="$RUNS/$name/eval-$text.json"
       [ -f "$out" ] && continue
-      "$SWIFTKV" eval --teacher "$BASE" --student "$RUNS/$name" --text "$DATA/$text.jsonl" --seq-len 512 \
+      "$SWIFTKV" eval "${THREADS_FLAG[@]}" --teacher "$BASE" --student "$RUNS/$name" --text "$DATA/$text.jsonl" --seq-len 512 \
         --max-tokens 16384 --num-prompts 16 --gen-tokens 32 --long-docs 8 --json > "$out.tmp"
       mv "$out.tmp" "$out"
     done
