@@ -241,6 +241,21 @@ def test_bad_fields_are_400_naming_the_field(client):
     assert "unsupported field: frobnicate" in e.value.body["message"]
 
 
+def test_values_of_the_wrong_type_and_refused_fields_are_400(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    ok = {"model": PUBLIC, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for field, value in [("max_tokens", "16"), ("stream", "true"), ("n", True), ("temperature", "0.5"), ("seed", 1.5),
+                         ("logprobs", 1), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                         ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10})]:
+        r = httpx.post(f"{server}/v1/chat/completions", json={**ok, field: value}, headers=h)
+        assert r.status_code == 400, (field, value, r.text)
+        assert r.json()["error"]["param"] == field and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{server}/v1/completions", json={"model": PUBLIC, "prompt": "hi", "max_tokens": 2, "best_of": 2}, headers=h)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+    r = httpx.post(f"{server}/v1/chat/completions", json={**ok, "user": "someone", "temperature": 0}, headers=h)
+    assert r.status_code == 200  # `user` is accepted and ignored; an integer is a valid number
+
+
 def test_out_of_range_seed_is_400_and_the_pool_keeps_serving(server, client):
     for pool in ("decode", "prefill"):
         ask = dict(model=f"{PUBLIC}-{pool}", messages=[{"role": "user", "content": "hi"}], max_tokens=2)

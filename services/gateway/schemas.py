@@ -1,5 +1,6 @@
-"""Request bodies of the OpenAI routes, validated strictly: unknown fields and out-of-range values are a
-400 that names the field, never a silent default."""
+"""Request bodies of the OpenAI routes, validated strictly: unknown fields, values of the wrong JSON type
+("16" for an integer, true for a number) and out-of-range values are a 400 that names the field, never a
+silent default or coercion. Bounds follow OpenAI's and vLLM's."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ MAX_INT32 = 2**31 - 1  # token counts: far above any context, small enough for e
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
 
 
 class StreamOptions(Strict):
@@ -99,6 +100,11 @@ class CompletionRequest(Sampling):
         return self.logprobs
 
 
+def _union_tag(part: str) -> bool:
+    """pydantic names the member of a union in an error's location (`str`, `list[int]`): not a field."""
+    return part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[", "function-"))
+
+
 def parse(model: type[Strict], data: object):
     """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
     if not isinstance(data, dict):
@@ -107,7 +113,7 @@ def parse(model: type[Strict], data: object):
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
-        loc = [str(p) for p in err["loc"] if not str(p).startswith(("str", "list[", "function-"))]
+        loc = [str(p) for p in err["loc"] if not _union_tag(str(p))]
         param = ".".join(loc) or None
         if err["type"] == "extra_forbidden":
             message = f"unsupported field: {param}"
