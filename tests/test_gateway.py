@@ -23,6 +23,7 @@ from services.serving.remote import RemoteBackend
 
 KEY = "sk-test-main"
 LIMITED_KEY = "sk-test-limited"  # 300 prompt tokens per minute
+ENV_ONLY_KEY = "sk-test-env-only"  # only in the SWIFTKV_API_KEYS_FILE file, which the flag overrides
 MAX_MODEL_LEN = 512
 PUBLIC = "tiny"
 
@@ -46,10 +47,9 @@ def server(tiny_base, tiny_swiftkv, tmp_path_factory):
     """Base URL of a running platform; the process is stopped (engines with it) after the module."""
     work = tmp_path_factory.mktemp("serve")
     prefill_model = tiny_swiftkv if swiftkv_plugin_available() else tiny_base
-    port = free_port()
     config = {
         "model": PUBLIC,
-        "port": port,
+        "port": free_port(),
         "pools": {
             "prefill": {"model": str(prefill_model), "engine_args": engine_args()},
             "decode": {"model": str(tiny_base), "engine_args": engine_args()},
@@ -57,37 +57,50 @@ def server(tiny_base, tiny_swiftkv, tmp_path_factory):
         "routing": {"ratio_threshold": 4.0},
         "limits": {"max_body_bytes": 200_000},
     }
-    (work / "platform.yaml").write_text(yaml.safe_dump(config))
     (work / "keys").write_text(f"{KEY}\n{LIMITED_KEY} prompt_tokens_per_minute=300\n")
-    log = open(work / "serve.log", "w")
-    swiftkv = Path(sys.executable).parent / "swiftkv"
-    proc = subprocess.Popen(
-        [str(swiftkv), "serve", "--config", str(work / "platform.yaml"), "--engine", "inprocess", "--api-keys-file", str(work / "keys")],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SWIFTKV_API_KEYS": ""},
-    )
-    base = f"http://127.0.0.1:{port}"
+    (work / "env-keys").write_text(f"{ENV_ONLY_KEY}\n")  # SWIFTKV_API_KEYS_FILE loses to --api-keys-file
+    proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
+                        env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": str(work / "env-keys")})
     try:
-        deadline = time.time() + 420
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"swiftkv serve exited with {proc.returncode}:\n{(work / 'serve.log').read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"not ready after 420 s:\n{(work / 'serve.log').read_text()[-4000:]}")
-            time.sleep(1)
+        wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 420, "ready")
         yield base
     finally:
-        proc.terminate()
+        stop(proc)
+
+
+def launch(work: Path, config: dict, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`swiftkv serve` on `config` (with its port) as a process logging to work/serve.log; -> (process, base URL)."""
+    (work / "platform.yaml").write_text(yaml.safe_dump(config))
+    swiftkv = Path(sys.executable).parent / "swiftkv"
+    with open(work / "serve.log", "w") as log:
+        proc = subprocess.Popen([str(swiftkv), "serve", "--config", str(work / "platform.yaml"), *args],
+                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    return proc, f"http://127.0.0.1:{config['port']}"
+
+
+def wait_until(proc: subprocess.Popen, work: Path, condition, timeout: float, what: str) -> None:
+    """Poll `condition` (HTTP errors count as not yet) until it holds; fail with the log if the process exits."""
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"swiftkv serve exited with {proc.returncode}:\n{(work / 'serve.log').read_text()[-4000:]}")
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            if condition():
+                return
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            raise RuntimeError(f"not {what} after {timeout} s:\n{(work / 'serve.log').read_text()[-4000:]}")
+        time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -304,6 +317,10 @@ def test_auth(server):
     assert httpx.get(f"{server}/metrics").status_code == 401
     assert httpx.get(f"{server}/v1/models").status_code == 401
     assert httpx.get(f"{server}/health").status_code == 200 and httpx.get(f"{server}/ready").status_code == 200
+    # --api-keys-file wins over SWIFTKV_API_KEYS_FILE: the environment's file is not read at all
+    r = httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {ENV_ONLY_KEY}"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
 def test_rate_limit_answers_429_with_retry_after(server):

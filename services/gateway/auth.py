@@ -56,7 +56,8 @@ class KeyStore:
 
     @classmethod
     def from_env(cls, file: str | None) -> "KeyStore":
-        return cls(load_keys(os.environ.get("SWIFTKV_API_KEYS"), os.environ.get("SWIFTKV_API_KEYS_FILE") or file))
+        """Keys from SWIFTKV_API_KEYS plus `file`, which the caller resolved (flag, then environment, then config)."""
+        return cls(load_keys(os.environ.get("SWIFTKV_API_KEYS"), file))
 
     @property
     def enabled(self) -> bool:
