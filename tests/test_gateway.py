@@ -39,7 +39,9 @@ def swiftkv_plugin_available() -> bool:
 
 
 def engine_args() -> dict:
-    return {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 << 20}
+    # max_logprobs 5: a top_logprobs the gateway accepts (up to 20) that these engines refuse
+    return {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 << 20,
+            "max_logprobs": 5}
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +284,24 @@ def test_out_of_range_seed_is_400_and_the_pool_keeps_serving(server, client):
             raw = client.chat.completions.with_raw_response.create(**ask, seed=seed)
             assert raw.status_code == 200 and route(raw.headers)["pool"] == pool
     assert httpx.get(f"{server}/ready").json()["ready"] is True
+
+
+def test_a_stream_the_engine_refuses_gets_a_real_status(server, client):
+    """The gateway passes top_logprobs=10 (OpenAI allows 20) and the engine refuses it (max_logprobs 5):
+    streamed or not, the client gets the engine's 400, not a 200 with an error event inside."""
+    ask = dict(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True, top_logprobs=10)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**ask)
+    assert "logprobs" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**ask, stream=True)
+    assert "logprobs" in e.value.body["message"] and e.value.body["type"] == "invalid_request_error"
+    h = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": PUBLIC, "prompt": "hi", "max_tokens": 2, "logprobs": 5, "stream": True, "n": 2}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=h) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")  # within the limit
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
 
 
 def test_prompt_too_long_says_the_limit(client):

@@ -274,9 +274,33 @@ class Gateway:
         render = ChatRender if kind == "chat" else CompletionRender
         r = render(gen.request_id, req.model, int(time.time()), req.n, gen.sampling.logprobs is not None)
         if req.stream:
-            return StreamingResponse(self.sse(stream, r, len(gen.prompt_token_ids), req.include_usage),
+            # The status line goes out with the first byte: wait for the first output (or the error), so a
+            # request the engine refuses gets its real 4xx/5xx instead of a 200 with an error event.
+            try:
+                first = await self.first_outputs(request, stream)
+            except ClientGone:
+                return Response(status_code=499)
+            except (BackendError, BadRequest) as e:
+                await stream.aclose()
+                status, body = failure(e)
+                return JSONResponse(body, status_code=status, headers=headers)
+            return StreamingResponse(self.sse(stream, first, r, len(gen.prompt_token_ids), req.include_usage),
                                      media_type="text/event-stream", headers=headers)
         return await self.complete(request, stream, r, len(gen.prompt_token_ids), headers)
+
+    async def first_outputs(self, request: Request, stream: AsyncIterator[Output]) -> list[Output]:
+        """The stream's outputs up to the first with content (all of them if it ends first); the engine's
+        refusal is raised from here. A client that leaves meanwhile aborts the request (ClientGone)."""
+        outputs: list[Output] = []
+
+        async def pull() -> None:
+            while (out := await anext(stream, None)) is not None:
+                outputs.append(out)
+                if out.choices:
+                    return
+
+        await until_disconnect(request, pull())
+        return outputs
 
     async def run_request(self, data: object, kind: str, identity: str, *, source: str = "batch", priority: int = 0,
                           slot: Callable[[str], AbstractAsyncContextManager] | None = None) -> tuple[int, dict]:
@@ -318,37 +342,28 @@ class Gateway:
         return 200, r.full(choices, _usage(prompt_tokens, completion_tokens))
 
     async def complete(self, request: Request, stream: AsyncIterator[Output], r, prompt_tokens: int, headers) -> Response:
-        # While the answer is collected, a watcher waits for the client to leave and then cancels this task,
-        # which closes the stream and aborts the engine request.
-        current = asyncio.current_task()
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            current.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            status, body = await self.collect(stream, r, prompt_tokens)
-        except asyncio.CancelledError:
-            if not gone:
-                raise
-            current.uncancel()
+            status, body = await until_disconnect(request, self.collect(stream, r, prompt_tokens))
+        except ClientGone:
             return Response(status_code=499)
-        finally:
-            watcher.cancel()
         return JSONResponse(body, status_code=status, headers=headers)
 
-    async def sse(self, stream: AsyncIterator[Output], r, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+    async def sse(self, stream: AsyncIterator[Output], first: list[Output], r, prompt_tokens: int,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+        """The SSE body after `first_outputs`: errors from here on can only be events in the stream."""
         completion_tokens = 0
+
+        async def outputs():
+            for out in first:
+                yield out
+            async for out in stream:
+                yield out
+
         try:
-            async with aclosing(stream) as s:
+            async with aclosing(stream):
                 for chunk in r.start():
                     yield _event(chunk, include_usage)
-                async for out in s:
+                async for out in outputs():
                     completion_tokens += sum(c.num_tokens for c in out.choices)
                     yield _event(r.chunk(out), include_usage)
         except (BadRequest, BackendError) as e:
@@ -358,6 +373,35 @@ class Gateway:
         if include_usage:
             yield _event(r.usage_chunk(_usage(prompt_tokens, completion_tokens)), False)
         yield b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The client disconnected while the gateway waited for the engine."""
+
+
+async def until_disconnect(request: Request, work: Awaitable):
+    """Await `work` while a watcher waits for the client to leave; if it does, `work` is cancelled (which
+    closes the stream and aborts the engine request) and ClientGone is raised."""
+    current = asyncio.current_task()
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        current.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        current.uncancel()
+        raise ClientGone from None
+    finally:
+        watcher.cancel()
 
 
 def failure(e: BadRequest | BackendError) -> tuple[int, dict]:
