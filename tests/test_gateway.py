@@ -23,6 +23,7 @@ from services.serving.remote import RemoteBackend
 
 KEY = "sk-test-main"
 LIMITED_KEY = "sk-test-limited"  # 300 prompt tokens per minute
+OUTPUT_LIMITED_KEY = "sk-test-output-limited"  # 300 output tokens per minute
 ENV_ONLY_KEY = "sk-test-env-only"  # only in the SWIFTKV_API_KEYS_FILE file, which the flag overrides
 MAX_MODEL_LEN = 512
 PUBLIC = "tiny"
@@ -59,7 +60,7 @@ def server(tiny_base, tiny_swiftkv, tmp_path_factory):
         "routing": {"ratio_threshold": 4.0},
         "limits": {"max_body_bytes": 200_000},
     }
-    (work / "keys").write_text(f"{KEY}\n{LIMITED_KEY} prompt_tokens_per_minute=300\n")
+    (work / "keys").write_text(f"{KEY}\n{LIMITED_KEY} prompt_tokens_per_minute=300\n{OUTPUT_LIMITED_KEY} output_tokens_per_minute=300\n")
     (work / "env-keys").write_text(f"{ENV_ONLY_KEY}\n")  # SWIFTKV_API_KEYS_FILE loses to --api-keys-file
     proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
                         env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": str(work / "env-keys")})
@@ -352,6 +353,19 @@ def test_rate_limit_answers_429_with_retry_after(server):
     assert e.value.body["code"] == "rate_limit_exceeded" and "prompt tokens" in e.value.body["message"]
     retry_after = int(e.value.response.headers["retry-after"])
     assert 1 <= retry_after <= 60
+
+
+def test_output_beyond_the_reservation_is_charged(server):
+    """A request without max_tokens is reserved an estimate but may run to the end of the context: what it
+    generated is charged, so the key's next request waits even though the estimate was within the limit."""
+    limited = openai.OpenAI(base_url=f"{server}/v1", api_key=OUTPUT_LIMITED_KEY, max_retries=0, timeout=120)
+    r = limited.chat.completions.create(model=f"{PUBLIC}-decode", messages=[{"role": "user", "content": "go"}],
+                                        extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == MAX_MODEL_LEN - r.usage.prompt_tokens > 300  # ran past the key's 300 per minute
+    with pytest.raises(openai.RateLimitError) as e:
+        limited.chat.completions.create(model=f"{PUBLIC}-decode", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert "output tokens" in e.value.body["message"]
+    assert int(e.value.response.headers["retry-after"]) > 1  # the overage is paid back before anything else runs
 
 
 # ---- routing and metrics -----------------------------------------------------------------------------

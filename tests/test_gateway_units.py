@@ -76,6 +76,10 @@ def test_output_tokens_are_reserved_then_settled():
         limiter.acquire("k", 1, 80)
     limiter.settle("k", reserved_output=80, actual_output=5)  # 75 given back
     limiter.acquire("k", 1, 80)
+    limiter.settle("k", reserved_output=80, actual_output=230)  # 150 beyond the reservation are charged too
+    with pytest.raises(APIError) as e:  # the bucket is below zero: even one token waits for the refill
+        limiter.acquire("k", 1, 1)
+    assert int(e.value.headers["Retry-After"]) >= 80  # 136 tokens short at 100 per minute: 82 s
 
 
 def test_per_key_limits_and_hashed_keys(tmp_path):

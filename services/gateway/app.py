@@ -167,7 +167,7 @@ class Gateway:
 
     # ---- serving ---------------------------------------------------------------------------------
     async def tracked(self, pool: PoolState, model: str, request: GenerateRequest, t0: float, identity: str,
-                      reserved: int, estimate_output: bool, source: str = "live") -> AsyncIterator[Output]:
+                      reserved: int | None, estimate_output: bool, source: str = "live") -> AsyncIterator[Output]:
         """The backend's stream with the gateway's bookkeeping: metrics, backlog, estimates, limits."""
         prompt_tokens = len(request.prompt_token_ids)
         m = metrics.for_pool(pool.name, model, source)
@@ -219,7 +219,8 @@ class Gateway:
                 m.tpot.observe((end - first_at) / (per_choice - 1))
             if status == "ok" and estimate_output:
                 self.output_estimate.update(per_choice)
-            self.limiter.settle(identity, reserved, generated)
+            if reserved is not None:  # charge what was generated, beyond the reservation too
+                self.limiter.settle(identity, reserved, generated)
 
     async def prepare(self, request: Request, kind: str):
         """Everything before dispatch; raises APIError for any refusal."""
@@ -244,13 +245,14 @@ class Gateway:
         requested = req.output_limit()
         max_tokens = self.output_tokens(len(prompt_ids), requested, "messages" if kind == "chat" else "prompt")
         expected = requested or max(1, min(max_tokens, round(self.output_estimate.value)))
-        reserved = expected * req.n if charge else 0
-        if charge:
+        reserved = expected * req.n if charge else None  # None: not charged to the key's limits
+        if reserved is not None:
             self.limiter.acquire(identity, len(prompt_ids), reserved)
         try:
             decision = self.policy.decide(len(prompt_ids), expected, self.pools, pinned)
         except NoPoolAvailable as e:
-            self.limiter.settle(identity, reserved, 0)
+            if reserved is not None:
+                self.limiter.settle(identity, reserved, 0)
             raise APIError(503, f"{e}; try again shortly", "server_error", code="unavailable")
         sampling = SamplingOptions(
             max_tokens=max_tokens, n=req.n, temperature=req.temperature, top_p=req.top_p, seed=req.seed,

@@ -96,7 +96,7 @@ class Bucket:
 
 class RateLimiter:
     """Per key: requests, prompt tokens and output tokens per minute. Output tokens are reserved up front
-    (max_tokens or the expected output) and the unused part is given back when the request ends."""
+    (max_tokens or the expected output) and settled against what was generated when the request ends."""
 
     KINDS = ("requests", "prompt_tokens", "output_tokens")
 
@@ -132,6 +132,10 @@ class RateLimiter:
             bucket.level -= min(need[kind], bucket.capacity)
 
     def settle(self, identity: str, reserved_output: int, actual_output: int) -> None:
+        """Charge what was generated: the unused reservation comes back, an overage (a request without
+        max_tokens that ran past its estimate) is taken too, and may leave the bucket below zero so the
+        key's next requests wait until it has refilled."""
         bucket = self.buckets.get(identity, {}).get("output_tokens")
-        if bucket is not None and actual_output < reserved_output:
-            bucket.level = min(bucket.capacity, bucket.level + reserved_output - actual_output)
+        if bucket is not None:
+            taken = min(reserved_output, bucket.capacity)  # what acquire() took
+            bucket.level = min(bucket.capacity, bucket.level + taken - actual_output)
