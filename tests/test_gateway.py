@@ -59,16 +59,21 @@ def server(tiny_base, tiny_swiftkv, tmp_path_factory):
         },
         "routing": {"ratio_threshold": 4.0},
         "limits": {"max_body_bytes": 200_000},
+        "health": {"period_seconds": 1.0},
     }
     (work / "keys").write_text(f"{KEY}\n{LIMITED_KEY} prompt_tokens_per_minute=300\n{OUTPUT_LIMITED_KEY} output_tokens_per_minute=300\n")
     (work / "env-keys").write_text(f"{ENV_ONLY_KEY}\n")  # SWIFTKV_API_KEYS_FILE loses to --api-keys-file
     proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
                         env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": str(work / "env-keys")})
+    SERVERS[base] = proc
     try:
         wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 420, "ready")
         yield base
     finally:
         stop(proc)
+
+
+SERVERS: dict[str, subprocess.Popen] = {}  # base URL -> its `swiftkv serve` process
 
 
 def launch(work: Path, config: dict, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
@@ -462,3 +467,67 @@ def test_remote_backend_streams_from_an_openai_server(server):
     assert sum(c.num_tokens for c in deltas) == 5
     assert deltas[-1].finish_reason == "length"
     assert all(c.logprobs for c in deltas if c.num_tokens)
+
+
+# ---- pool health -------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_pool_down_at_start_joins_routing_once_it_answers(server, tiny_base, tmp_path):
+    """Gateway A's only pool is a remote server that is not up yet: A is not alive (/health 503) until the
+    server (gateway B, in front of the module's platform) comes up, then A's watcher brings the pool in."""
+    a_port, b_port = free_port(), free_port()
+    a_work, b_work = tmp_path / "a", tmp_path / "b"
+    a_work.mkdir(), b_work.mkdir()
+    open_env = {"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": ""}
+    a_config = {"model": "a", "port": a_port, "data_dir": str(a_work / "data"),
+                "health": {"period_seconds": 0.5, "max_backoff_seconds": 1.0},
+                "pools": {"decode": {"backend": "remote", "url": f"http://127.0.0.1:{b_port}/v1", "model": str(tiny_base),
+                                     "served_model_name": "b"}}}
+    b_config = {"model": "b", "port": b_port, "data_dir": str(b_work / "data"),
+                "pools": {"decode": {"backend": "remote", "url": f"{server}/v1", "model": str(tiny_base),
+                                     "served_model_name": f"{PUBLIC}-decode", "api_key": KEY}}}
+    a, a_base = launch(a_work, a_config, "--engine", "inprocess", env=open_env)
+    b = None
+    try:
+        wait_until(a, a_work, lambda: httpx.get(f"{a_base}/health", timeout=2).status_code == 503, 120, "started")
+        assert httpx.get(f"{a_base}/ready").json() == {"ready": False, "pools": {"decode": False}}
+        b, b_base = launch(b_work, b_config, "--engine", "inprocess", env=open_env)
+        wait_until(b, b_work, lambda: httpx.get(f"{b_base}/ready", timeout=2).status_code == 200, 120, "ready")
+        wait_until(a, a_work, lambda: httpx.get(f"{a_base}/ready", timeout=2).status_code == 200, 30, "recovered")
+        assert httpx.get(f"{a_base}/health").status_code == 200
+        r = openai.OpenAI(base_url=f"{a_base}/v1", api_key="none", max_retries=0).chat.completions.create(
+            model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=3, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+    finally:
+        for proc in (a, b):
+            if proc is not None:
+                stop(proc)
+
+
+@pytest.mark.slow
+def test_a_dead_engine_is_restarted(server, client):
+    """The decode pool's engine core process dies: the pool leaves routing (the prefill pool serves, the
+    process stays alive), the engine is restarted in the gateway process and the pool comes back."""
+    import psutil
+
+    cores = sorted((p for p in psutil.Process(SERVERS[server].pid).children(recursive=True) if "EngineCor" in p.name()),
+                   key=lambda p: p.create_time())
+    assert len(cores) == 2
+    cores[1].kill()  # pools start in order: prefill, then decode
+    deadline = time.time() + 30
+    while httpx.get(f"{server}/ready").json()["pools"]["decode"]:
+        assert time.time() < deadline, "the dead engine's pool stayed in routing"
+        time.sleep(0.2)
+    assert httpx.get(f"{server}/health").status_code == 200  # the prefill pool still serves
+    raw = client.chat.completions.with_raw_response.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}],
+                                                           max_tokens=64, extra_body={"ignore_eos": True})
+    assert raw.status_code == 200 and route(raw.headers)["pool"] == "prefill"
+    deadline = time.time() + 300
+    while httpx.get(f"{server}/ready").status_code != 200:
+        assert time.time() < deadline, "the dead engine was not restarted"
+        time.sleep(1)
+    r = client.chat.completions.create(model=f"{PUBLIC}-decode", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+    text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    running = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running{") and f'"{PUBLIC}-decode"' in line]
+    assert len(running) == 1  # the restarted engine's metrics replaced the dead one's

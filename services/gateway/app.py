@@ -76,41 +76,67 @@ class Gateway:
         self.created = int(time.time())
         self.live_waiting = {name: 0 for name in self.pools}  # live requests without their first token (batch work yields to them)
         self._tasks: list[asyncio.Task] = []
+        self.started = False  # the first start of every pool has been tried
+        self._announced = False
         for name in self.pools:
             metrics.pool_ready.labels(name).set(0)
             metrics.in_flight.labels(name).set(0)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start pools one by one (engines compete for the same cores), then watch their health."""
-        for name, pool in self.pools.items():
+        """Start pools one by one (engines compete for the same cores), then watch each one's health."""
+        for pool in self.pools.values():
             try:
                 await pool.backend.start()
-                pool.ready = True
-                metrics.pool_ready.labels(name).set(1)
-                log.info("pool %s ready (%s)", name, pool.served_model_name)
+                self._set_ready(pool, True)
             except Exception:
-                log.exception("pool %s failed to start; the other pool serves its traffic", name)
+                log.exception("pool %s failed to start; the other pool serves its traffic until it recovers", pool.name)
         # Everything loaded so far (torch, transformers, engines: ~10^6 objects) lives as long as the process.
         # Freezing it keeps the cyclic GC from re-scanning it: a full collection otherwise costs ~0.5 s on
         # two cores and, amortized, about as much CPU per request as the rest of the gateway.
         gc.collect()
         gc.freeze()
-        if self.on_ready is not None and self.ready:
-            self.on_ready()
-        self._tasks.append(asyncio.create_task(self._watch_health()))
+        self.started = True
+        self._announce()
+        self._tasks += [asyncio.create_task(self._watch(pool)) for pool in self.pools.values()]
 
-    async def _watch_health(self, period: float = 5.0) -> None:
-        started = {name for name, p in self.pools.items() if p.ready}
+    def _set_ready(self, pool: PoolState, ready: bool) -> None:
+        if ready != pool.ready:
+            log.log(logging.INFO if ready else logging.WARNING, "pool %s %s (%s)", pool.name,
+                    "ready" if ready else "is down", pool.served_model_name)
+        pool.ready = ready
+        metrics.pool_ready.labels(pool.name).set(int(ready))
+
+    def _announce(self) -> None:
+        if self.on_ready is not None and self.ready and not self._announced:
+            self._announced = True
+            self.on_ready()
+
+    async def _watch(self, pool: PoolState) -> None:
+        """Check one pool every period: a failed check takes it out of routing and asks the backend to
+        recover (a dead in-process engine is restarted); failed recoveries are retried with exponential
+        backoff, and the pool rejoins routing once its check passes."""
+        h = self.cfg.health
+        delay = h.period_seconds
         while True:
-            await asyncio.sleep(period)
-            for name in started:
-                pool = self.pools[name]
-                try:
-                    pool.ready = await asyncio.wait_for(pool.backend.health(), timeout=period)
-                except Exception:  # a hung or failing health check means the pool is down, not the gateway
-                    pool.ready = False
-                metrics.pool_ready.labels(name).set(int(pool.ready))
+            await asyncio.sleep(delay)
+            try:
+                healthy = await asyncio.wait_for(pool.backend.health(), timeout=h.timeout_seconds)
+            except Exception:  # a hung or failing health check means the pool is down, not the gateway
+                healthy = False
+            self._set_ready(pool, healthy)
+            if healthy:
+                delay = h.period_seconds
+                self._announce()
+                continue
+            try:
+                await pool.backend.recover()
+                delay = h.period_seconds
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                delay = min(max(delay, h.period_seconds) * 2, h.max_backoff_seconds)
+                log.warning("pool %s: recovery failed (%s: %s); next attempt in %.0f s", pool.name, type(e).__name__, e, delay)
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -124,6 +150,11 @@ class Gateway:
     @property
     def ready(self) -> bool:
         return all(p.ready for p in self.pools.values())
+
+    @property
+    def alive(self) -> bool:
+        """False once started when no pool can serve: the process is of no use until one recovers."""
+        return not self.started or any(p.ready for p in self.pools.values())
 
     # ---- request preparation ---------------------------------------------------------------------
     async def read_json(self, request: Request) -> object:
@@ -201,8 +232,7 @@ class Gateway:
         except BackendDown:
             # The pool cannot serve (engine dead, server unreachable): route around it now; the health
             # watcher brings it back once it answers. A failure of one request leaves the pool in routing.
-            pool.ready = False
-            metrics.pool_ready.labels(pool.name).set(0)
+            self._set_ready(pool, False)
             raise
         finally:
             end = time.perf_counter()
@@ -542,7 +572,9 @@ def create_app(gateway: Gateway, extensions: Sequence = ()) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        if gateway.alive:  # alive while the pools start, then while at least one can serve
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable", "pools": {name: p.ready for name, p in gateway.pools.items()}}, status_code=503)
 
     @app.get("/ready")
     async def ready():

@@ -88,6 +88,10 @@ class Backend(Protocol):
 
     async def health(self) -> bool: ...
 
+    async def recover(self) -> None:
+        """Bring a backend whose health check fails back if it takes action (restart a dead engine, deploy
+        again, reconnect); return when it may serve again, raise if it cannot yet."""
+
     def load(self) -> Load: ...
 
     async def stop(self) -> None: ...

@@ -115,6 +115,15 @@ class BatchConfig(StrictModel):
         return self
 
 
+class HealthConfig(StrictModel):
+    """The gateway's watcher of each pool: checks, and brings a pool that is down back (a dead in-process
+    engine is restarted), retrying with exponential backoff."""
+
+    period_seconds: float = Field(5.0, gt=0, description="time between health checks of a pool")
+    timeout_seconds: float = Field(10.0, gt=0, description="a check that takes longer fails")
+    max_backoff_seconds: float = Field(60.0, gt=0, description="longest wait between failed recovery attempts")
+
+
 class PlatformConfig(StrictModel):
     model: str = "swiftkv"
     host: str = "127.0.0.1"
@@ -127,6 +136,7 @@ class PlatformConfig(StrictModel):
     data_dir: str = Field("~/.local/share/swiftkv", description="batch files and the embedded SQLite database")
     database_url: str | None = Field(None, description="SQLAlchemy URL of the batch store (postgresql://...); default: SQLite in data_dir")
     batch: BatchConfig = Field(default_factory=BatchConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
 
     @model_validator(mode="after")
     def _pools(self) -> "PlatformConfig":

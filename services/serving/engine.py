@@ -27,23 +27,24 @@ class EngineMetrics:
     right after it starts and expose the union from one collector (samples differ by `model_name`)."""
 
     def __init__(self) -> None:
-        self.registries: list[CollectorRegistry] = []
+        self.registries: dict[str, CollectorRegistry] = {}
         REGISTRY.register(self)
 
-    def adopt_vllm_collectors(self) -> None:
+    def adopt_vllm_collectors(self, engine: str) -> None:
+        """Take the collectors the newest engine registered; a restarted engine's replace its old ones."""
         own = CollectorRegistry(auto_describe=False)
         for collector in list(REGISTRY._collector_to_names):
             if getattr(collector, "_name", "").startswith("vllm:"):
                 REGISTRY.unregister(collector)
                 own.register(collector)
-        self.registries.append(own)
+        self.registries[engine] = own
 
     def describe(self):  # no fixed names: never conflicts with other collectors
         return []
 
     def collect(self):
         families: dict[str, Any] = {}
-        for registry in self.registries:
+        for registry in list(self.registries.values()):
             for family in registry.collect():
                 if family.name in families:
                     families[family.name].samples.extend(family.samples)
@@ -126,7 +127,7 @@ class VLLMEngine:
         t0 = time.perf_counter()
         self.llm = await asyncio.to_thread(self._build)
         if adopt_metrics:
-            engine_metrics().adopt_vllm_collectors()
+            engine_metrics().adopt_vllm_collectors(self.name)
         if self.warmup:
             request = GenerateRequest(f"warmup-{self.name}", WARMUP_PROMPT, SamplingOptions(max_tokens=2))
             async for _ in self.generate(request):
@@ -195,10 +196,9 @@ class VLLMEngine:
         return Load(running=self._running, queued_prompt_tokens=self._queued_tokens)
 
     async def stop(self) -> None:
-        if self.llm is not None:
-            self.llm.shutdown()
-            self.llm = None
-        self.ready = False
+        llm, self.llm, self.ready = self.llm, None, False
+        if llm is not None:
+            llm.shutdown()
 
 
 class InProcessBackend(VLLMEngine):
@@ -206,3 +206,16 @@ class InProcessBackend(VLLMEngine):
 
     async def start(self) -> None:  # type: ignore[override]
         await super().start(adopt_metrics=True)
+
+    async def recover(self) -> None:
+        """Restart the engine if it is dead (its core process exited) or never finished starting; a live one
+        that answered its health check slowly is left alone."""
+        if self.ready and not self.dead:
+            return
+        log.warning("pool %s: the engine is %s; restarting it", self.name, "dead" if self.dead else "not started")
+        try:
+            await self.stop()
+        except Exception:  # the remains of a dead engine: nothing left to save
+            log.exception("pool %s: shutting the dead engine down", self.name)
+            self.llm = None
+        await self.start()

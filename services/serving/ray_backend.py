@@ -112,6 +112,11 @@ class RayBackend:
         except Exception:
             return False
 
+    async def recover(self) -> None:
+        """Deploy again if the first deployment failed; Serve itself replaces replicas that die."""
+        if self.handle is None:
+            await self.start()
+
     def load(self) -> Load:
         return Load(running=self._running, queued_prompt_tokens=self._queued_tokens)
 

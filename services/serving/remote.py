@@ -85,6 +85,9 @@ class RemoteBackend:
         except httpx.HTTPError:
             return False
 
+    async def recover(self) -> None:
+        await self.start()  # nothing to restart here: the server is reachable again or not
+
     def load(self) -> Load:
         return Load(running=self._running, queued_prompt_tokens=self._queued_tokens)
 
