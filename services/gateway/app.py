@@ -21,7 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from services.serving.backend import Backend, BackendDown, BackendError, BadRequest, GenerateRequest, Output, SamplingOptions
+from services.serving.backend import (Backend, BackendDown, BackendError, BadRequest, GenerateRequest, Output, SamplingOptions,
+                                      UpstreamError)
 from services.serving.config import PlatformConfig
 
 from . import metrics
@@ -441,6 +442,8 @@ def failure(e: BadRequest | BackendError) -> tuple[int, dict]:
     503 (retry elsewhere or later); one request's failure is a 500."""
     if isinstance(e, BadRequest):
         return 400, error_body(str(e))
+    if isinstance(e, UpstreamError):  # a remote server's own answer, passed on as it came
+        return e.status, error_body(e.message, e.type, e.param, e.code)
     log.warning("%s", e)
     if isinstance(e, BackendDown):
         return 503, error_body("the engine failed to serve this request; try again", "server_error", code="unavailable")

@@ -73,6 +73,14 @@ class BackendDown(BackendError):
     until its health watcher sees it healthy again."""
 
 
+class UpstreamError(BackendError):
+    """A remote server refused or failed this request: its status and error, for the client as they came."""
+
+    def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
 class BadRequest(ValueError):
     """The engine rejected the request's content (the gateway answers 400 with this message)."""
 

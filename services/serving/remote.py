@@ -1,7 +1,10 @@
 """A pool served by a remote OpenAI-compatible server (another vLLM, another gateway) over HTTP.
 
 Requests go to `/v1/completions` with the prompt as token ids, streamed, so the remote side never
-re-applies a chat template and the gateway's token counts stay exact.
+re-applies a chat template and the gateway's token counts stay exact. Generated tokens are counted from the
+server's own usage figures (`stream_options.include_usage`; per chunk with vLLM's `continuous_usage_stats`),
+not from the number of chunks: a chunk may carry several tokens, or none. The server's errors reach the
+client with their status and message, in OpenAI's envelope.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import AsyncIterator
 
 import httpx
 
-from .backend import BackendDown, BackendError, BadRequest, ChoiceDelta, GenerateRequest, Load, Output, TokenLogprob
+from .backend import BackendDown, BackendError, ChoiceDelta, GenerateRequest, Load, Output, TokenLogprob, UpstreamError
 
 
 class RemoteBackend:
@@ -26,10 +29,21 @@ class RemoteBackend:
                                         limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
         self._running = 0
         self._queued_tokens = 0
+        self.continuous_usage = False
 
     async def start(self) -> None:
         if not await self.health():
             raise BackendDown(f"pool {self.name}: remote server {self.base} is not reachable")
+        self.continuous_usage = await self._is_vllm()
+
+    async def _is_vllm(self) -> bool:
+        """vLLM's server (it answers /version) reports usage on every chunk when asked; others may refuse
+        the field, and get only the final usage chunk."""
+        try:
+            r = await self.client.get(self.base.removesuffix("/v1") + "/version", timeout=5.0)
+            return r.status_code == 200 and "version" in r.json()
+        except (httpx.HTTPError, ValueError):
+            return False
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
         s = request.sampling
@@ -46,16 +60,16 @@ class RemoteBackend:
             body["logprobs"] = s.logprobs
         if s.ignore_eos:
             body["ignore_eos"] = True
+        body["stream_options"] = {"include_usage": True} | ({"continuous_usage_stats": True} if self.continuous_usage else {})
         self._running += 1
         self._queued_tokens += len(request.prompt_token_ids)
         first = True
+        counted: dict[int, int] = {}  # tokens per choice passed on so far
+        held: Output | None = None  # without per-chunk usage, the latest output waits for the final usage chunk
         try:
             async with self.client.stream("POST", f"{self.base}/completions", json=body) as response:
                 if response.status_code >= 400:
-                    text = (await response.aread()).decode(errors="replace")
-                    if 400 <= response.status_code < 500:
-                        raise BadRequest(_error_message(text))
-                    raise BackendError(f"pool {self.name}: remote answered {response.status_code}: {text[:200]}")
+                    raise _upstream_error(response.status_code, (await response.aread()).decode(errors="replace"))
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -63,12 +77,27 @@ class RemoteBackend:
                     if data == "[DONE]":
                         break
                     chunk = json.loads(data)
-                    choices = [_choice(c) for c in chunk.get("choices", [])]
+                    if "error" in chunk or chunk.get("object") == "error":  # the server failed the request mid-stream
+                        raise _upstream_error(None, data)
+                    choices = [self._choice(c, chunk.get("usage"), counted) for c in chunk.get("choices") or []]
+                    if not choices and chunk.get("usage"):
+                        # The final usage chunk: what the per-chunk guesses missed goes onto the last output.
+                        missing = int(chunk["usage"].get("completion_tokens") or 0) - sum(counted.values())
+                        if missing:
+                            held = held or Output([ChoiceDelta(0, "", 0)])
+                            held.choices[-1].num_tokens += missing
+                            counted[held.choices[-1].index] = counted.get(held.choices[-1].index, 0) + missing
                     if first and choices:
                         first = False
                         self._queued_tokens -= len(request.prompt_token_ids)
-                    if choices:
+                    if choices and self.continuous_usage:
                         yield Output(choices)
+                    elif choices:
+                        if held is not None:
+                            yield held
+                        held = Output(choices)
+                if held is not None:
+                    yield held
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # the server is unreachable: the pool is down
             raise BackendDown(f"pool {self.name}: {type(e).__name__}: {e}") from e
         except httpx.HTTPError as e:
@@ -77,6 +106,25 @@ class RemoteBackend:
             self._running -= 1
             if first:
                 self._queued_tokens -= len(request.prompt_token_ids)
+
+    def _choice(self, c: dict, usage: dict | None, counted: dict[int, int]) -> ChoiceDelta:
+        index = c.get("index", 0)
+        logprobs = None
+        lp = c.get("logprobs")
+        if lp and lp.get("tokens") is not None:
+            tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
+            logprobs = [
+                TokenLogprob(tok, float(val if val is not None else 0.0), list((top or {}).items()))
+                for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], tops)
+            ]
+        if usage and usage.get("completion_tokens") is not None:  # continuous usage: this choice's tokens so far
+            num_tokens = int(usage["completion_tokens"]) - counted.get(index, 0)
+        elif logprobs is not None:
+            num_tokens = len(logprobs)
+        else:  # a guess, set right by the final usage chunk
+            num_tokens = 1 if c.get("text") else 0
+        counted[index] = counted.get(index, 0) + num_tokens
+        return ChoiceDelta(index, c.get("text", ""), num_tokens, c.get("finish_reason"), logprobs)
 
     async def health(self) -> bool:
         try:
@@ -95,21 +143,24 @@ class RemoteBackend:
         await self.client.aclose()
 
 
-def _choice(c: dict) -> ChoiceDelta:
-    logprobs = None
-    lp = c.get("logprobs")
-    if lp and lp.get("tokens") is not None:
-        tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
-        logprobs = [
-            TokenLogprob(tok, float(val if val is not None else 0.0), list((top or {}).items()))
-            for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], tops)
-        ]
-    num_tokens = len(lp["tokens"]) if logprobs is not None else (1 if c.get("text") else 0)
-    return ChoiceDelta(c.get("index", 0), c.get("text", ""), num_tokens, c.get("finish_reason"), logprobs)
+OPENAI_ERROR_TYPES = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",
+                      "rate_limit_error", "server_error", "requests", "tokens"}
 
 
-def _error_message(text: str) -> str:
+def _upstream_error(status: int | None, text: str) -> UpstreamError:
+    """The server's error answer (or mid-stream error event) in OpenAI's envelope, with the status it
+    answered (for an event: the status in its `code`, as vLLM sends it, else one that fits its type)."""
     try:
-        return json.loads(text)["error"]["message"]
-    except Exception:
-        return text[:500]
+        data = json.loads(text)
+        err = data.get("error", data) if isinstance(data, dict) else {}
+        if not isinstance(err, dict):
+            err = {"message": str(err)}
+    except ValueError:
+        err = {"message": text[:500]}
+    code, kind = err.get("code"), err.get("type")
+    if status is None:
+        status = code if isinstance(code, int) and 400 <= code <= 599 else 400 if kind == "invalid_request_error" else 500
+    if kind not in OPENAI_ERROR_TYPES:
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+    message = str(err.get("message") or f"the upstream server answered {status}")
+    return UpstreamError(status, message, kind, err.get("param"), code if isinstance(code, str) else None)

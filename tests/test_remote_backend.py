@@ -1,0 +1,144 @@
+"""The remote backend against a real `vllm serve` process on the tiny checkpoint: token counts from the
+server's usage figures, its statuses and error events passed on faithfully. The server streams three
+tokens per chunk (`--stream-interval 3`), allows one logprob (`--max-logprobs 1`) and wants a key."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.gateway.app import Gateway, create_app
+from services.gateway.auth import KeyStore
+from services.gateway.prompts import Prompter
+from services.serving.backend import GenerateRequest, SamplingOptions, UpstreamError
+from services.serving.config import PlatformConfig
+from services.serving.remote import RemoteBackend
+
+pytestmark = pytest.mark.slow
+
+UPSTREAM_KEY = "sk-upstream"
+NAME = "upstream"
+MAX_MODEL_LEN = 256
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_base, tmp_path_factory):
+    """Base URL of `vllm serve` on the tiny base model; stopped after the module."""
+    work = tmp_path_factory.mktemp("vllm-serve")
+    port = free_port()
+    vllm = Path(sys.executable).parent / "vllm"
+    with open(work / "vllm.log", "w") as log:
+        proc = subprocess.Popen(
+            [str(vllm), "serve", str(tiny_base), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", NAME,
+             "--api-key", UPSTREAM_KEY, "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", "float32",
+             "--kv-cache-memory-bytes", str(32 << 20), "--max-logprobs", "1", "--stream-interval", "3"],
+            stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 420
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{(work / 'vllm.log').read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, (work / "vllm.log").read_text()[-4000:]
+            time.sleep(1)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def generate(base: str, request: GenerateRequest, model: str = NAME, key: str = UPSTREAM_KEY, start: bool = True):
+    """(backend, outputs, error) of one request through a RemoteBackend (started: it has probed the server)."""
+
+    async def run():
+        backend = RemoteBackend("decode", base, model, api_key=key)
+        try:
+            if start:
+                await backend.start()
+            outs, error = [], None
+            try:
+                async for out in backend.generate(request):
+                    outs.append(out)
+            except UpstreamError as e:
+                error = e
+            assert backend.load().running == 0
+            return backend, outs, error
+        finally:
+            await backend.stop()
+
+    return asyncio.run(run())
+
+
+def test_tokens_are_counted_from_the_servers_usage(vllm_server):
+    backend, outs, error = generate(vllm_server, GenerateRequest("r1", [5, 6, 7, 8], SamplingOptions(max_tokens=10, ignore_eos=True)))
+    assert error is None and backend.continuous_usage  # vLLM: usage on every chunk
+    deltas = [c for o in outs for c in o.choices]
+    assert sum(c.num_tokens for c in deltas) == 10
+    assert any(c.num_tokens == 3 for c in deltas)  # three tokens per chunk, counted as three
+    assert deltas[-1].finish_reason == "length"
+    _, outs, error = generate(vllm_server, GenerateRequest("r2", [5, 6, 7, 8], SamplingOptions(max_tokens=7, n=2, ignore_eos=True)))
+    per_choice = {0: 0, 1: 0}
+    for c in (c for o in outs for c in o.choices):
+        per_choice[c.index] += c.num_tokens
+    assert error is None and per_choice == {0: 7, 1: 7}
+
+
+def test_the_servers_statuses_and_errors_are_passed_on(vllm_server):
+    ask = GenerateRequest("r3", [5, 6, 7, 8], SamplingOptions(max_tokens=2))
+    _, _, error = generate(vllm_server, ask, key="sk-wrong", start=False)
+    assert error.status == 401
+    _, _, error = generate(vllm_server, ask, model="no-such-model")
+    assert error.status == 404 and "no-such-model" in error.message
+    _, _, error = generate(vllm_server, GenerateRequest("r4", [5] * (MAX_MODEL_LEN + 1), SamplingOptions(max_tokens=2)))
+    assert error.status == 400 and error.type == "invalid_request_error" and str(MAX_MODEL_LEN) in error.message
+    # refused by the engine after the stream began: vLLM sends an error event, not a status
+    _, outs, error = generate(vllm_server, GenerateRequest("r5", [5, 6, 7, 8], SamplingOptions(max_tokens=2, logprobs=2)))
+    assert error is not None and error.status == 400 and "logprobs" in error.message and not outs
+
+
+def test_the_gateway_answers_with_the_servers_status(vllm_server, tiny_base):
+    """Through the gateway (in this process, real HTTP to vLLM): the client sees vLLM's 400, streamed or not,
+    and the usage vLLM counted."""
+    cfg = PlatformConfig(model="m", pools={"decode": {"backend": "remote", "url": f"{vllm_server}/v1", "model": str(tiny_base),
+                                                      "served_model_name": NAME, "api_key": UPSTREAM_KEY,
+                                                      "engine_args": {"max_model_len": MAX_MODEL_LEN}}})
+    backends = {"decode": RemoteBackend("decode", cfg.pools["decode"].url, NAME, UPSTREAM_KEY)}
+    gateway = Gateway(cfg, backends, Prompter(str(tiny_base)), KeyStore({}))
+
+    async def run():
+        await backends["decode"].start()
+        gateway.pools["decode"].ready = True
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gateway)), base_url="http://gw", timeout=60) as c:
+            ok = {"model": "m", "prompt": "hello", "max_tokens": 8, "ignore_eos": True}
+            r = await c.post("/v1/completions", json=ok)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+            for stream in (False, True):
+                r = await c.post("/v1/completions", json={**ok, "logprobs": 2, "stream": stream})
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["type"] == "invalid_request_error" and "logprobs" in r.json()["error"]["message"]
+            assert gateway.pools["decode"].ready  # one refused request does not take the pool down
+        await backends["decode"].stop()
+
+    asyncio.run(run())
