@@ -62,11 +62,6 @@ class InstantBackend:
     async def health(self) -> bool:
         return True
 
-    def load(self):
-        from services.serving.backend import Load
-
-        return Load()
-
     async def stop(self) -> None:
         pass
 

@@ -83,7 +83,6 @@ def generate(base: str, request: GenerateRequest, model: str = NAME, key: str = 
                     outs.append(out)
             except UpstreamError as e:
                 error = e
-            assert backend.load().running == 0
             return backend, outs, error
         finally:
             await backend.stop()

@@ -45,7 +45,6 @@ class PoolState:
     ready: bool = False
     backlog_tokens: int = 0  # dispatched prompt tokens whose first token has not come back
     prefill_rate: Ewma = field(default_factory=lambda: Ewma(5000.0))  # tokens/s, from prompt tokens / TTFT
-    output_estimate: Ewma = field(default_factory=lambda: Ewma(256.0))  # tokens, requests without max_tokens
 
     def wait_seconds(self) -> float:
         return self.backlog_tokens / max(self.prefill_rate.value, 1.0)

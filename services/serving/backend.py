@@ -1,6 +1,6 @@
 """The one interface between the gateway and engines.
 
-A Backend streams the outputs of one generation request, reports health, and reports load. Requests
+A Backend streams the outputs of one generation request and reports its health. Requests
 arrive already tokenized (the gateway counts tokens to route, so the engine never tokenizes twice) and
 outputs come back as deltas per choice. Everything here is plain data so it crosses process
 boundaries (Ray) unchanged.
@@ -58,12 +58,6 @@ class Output:
     queue_seconds: float | None = None  # engine queue time, once known (first output), if the backend knows it
 
 
-@dataclass
-class Load:
-    running: int = 0  # requests in flight in this backend
-    queued_prompt_tokens: int = 0  # prompt tokens not yet prefilled (as far as the backend knows)
-
-
 class BackendError(RuntimeError):
     """The backend failed to serve this one request; the pool keeps serving the others."""
 
@@ -99,7 +93,5 @@ class Backend(Protocol):
     async def recover(self) -> None:
         """Bring a backend whose health check fails back if it takes action (restart a dead engine, deploy
         again, reconnect); return when it may serve again, raise if it cannot yet."""
-
-    def load(self) -> Load: ...
 
     async def stop(self) -> None: ...

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from .backend import BackendDown, BackendError, BadRequest, ChoiceDelta, GenerateRequest, Load, Output, SamplingOptions, TokenLogprob
+from .backend import BackendDown, BackendError, BadRequest, ChoiceDelta, GenerateRequest, Output, SamplingOptions, TokenLogprob
 
 log = logging.getLogger("swiftkv.engine")
 
@@ -110,8 +110,6 @@ class VLLMEngine:
         self.warmup = warmup
         self.llm = None
         self.ready = False
-        self._running = 0
-        self._queued_tokens = 0
 
     def _build(self):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -142,15 +140,12 @@ class VLLMEngine:
             raise BackendDown(f"pool {self.name}: engine not started")
         params = to_sampling_params(request.sampling)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
-        self._running += 1
-        self._queued_tokens += len(request.prompt_token_ids)
         prefilled = False
         try:
             async for out in self.llm.generate(prompt, params, request.request_id, priority=request.priority):
                 queue_seconds = None
                 if not prefilled:
                     prefilled = True
-                    self._queued_tokens -= len(request.prompt_token_ids)
                     stats = getattr(out, "metrics", None)
                     if stats is not None and getattr(stats, "scheduled_ts", 0) and getattr(stats, "queued_ts", 0):
                         queue_seconds = max(0.0, stats.scheduled_ts - stats.queued_ts)
@@ -173,10 +168,6 @@ class VLLMEngine:
             # Only a dead engine takes the pool down; anything else failed this one request.
             error = BackendDown if self.dead else BackendError
             raise error(f"pool {self.name}: {type(e).__name__}: {e}") from e
-        finally:
-            self._running -= 1
-            if not prefilled:
-                self._queued_tokens -= len(request.prompt_token_ids)
 
     @property
     def dead(self) -> bool:
@@ -191,9 +182,6 @@ class VLLMEngine:
             return True
         except Exception:
             return False
-
-    def load(self) -> Load:
-        return Load(running=self._running, queued_prompt_tokens=self._queued_tokens)
 
     async def stop(self) -> None:
         llm, self.llm, self.ready = self.llm, None, False

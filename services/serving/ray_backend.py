@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from .backend import BackendDown, BackendError, BadRequest, GenerateRequest, Load, Output
+from .backend import BackendDown, BackendError, BadRequest, GenerateRequest, Output
 from .config import PoolConfig
 from .engine import VLLMEngine
 
@@ -34,9 +34,6 @@ class EngineReplica:
     async def check_health(self) -> None:
         if not await self.engine.health():
             raise RuntimeError(f"engine of pool {self.engine.name} is unhealthy")
-
-    def load(self) -> Load:
-        return self.engine.load()
 
     def __del__(self):
         if getattr(self, "engine", None) is not None and self.engine.llm is not None:
@@ -68,8 +65,6 @@ class RayBackend:
         self.cfg = cfg
         self.served_model_name = served_model_name
         self.handle = None
-        self._running = 0
-        self._queued_tokens = 0
 
     async def start(self) -> None:
         app = build_deployment(self.name, self.cfg, self.served_model_name)
@@ -80,14 +75,9 @@ class RayBackend:
         if self.handle is None:
             raise BackendDown(f"pool {self.name}: not deployed")
         stream = self.handle.options(stream=True).generate.remote(request)
-        self._running += 1
-        self._queued_tokens += len(request.prompt_token_ids)
-        first, finished = True, False
+        finished = False
         try:
             async for out in stream:
-                if first:
-                    first = False
-                    self._queued_tokens -= len(request.prompt_token_ids)
                 yield out
             finished = True
         except (asyncio.CancelledError, GeneratorExit):
@@ -100,9 +90,6 @@ class RayBackend:
         finally:
             if not finished:
                 stream.cancel()
-            self._running -= 1
-            if first:
-                self._queued_tokens -= len(request.prompt_token_ids)
 
     async def health(self) -> bool:
         try:
@@ -116,9 +103,6 @@ class RayBackend:
         """Deploy again if the first deployment failed; Serve itself replaces replicas that die."""
         if self.handle is None:
             await self.start()
-
-    def load(self) -> Load:
-        return Load(running=self._running, queued_prompt_tokens=self._queued_tokens)
 
     async def stop(self) -> None:
         try:  # do not wait here: replicas drain on their own, and stop_ray() ends a cluster we started

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 import httpx
 
-from .backend import BackendDown, BackendError, ChoiceDelta, GenerateRequest, Load, Output, TokenLogprob, UpstreamError
+from .backend import BackendDown, BackendError, ChoiceDelta, GenerateRequest, Output, TokenLogprob, UpstreamError
 
 
 class RemoteBackend:
@@ -27,8 +27,6 @@ class RemoteBackend:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout, connect=10.0),
                                         limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200))
-        self._running = 0
-        self._queued_tokens = 0
         self.continuous_usage = False
 
     async def start(self) -> None:
@@ -61,9 +59,6 @@ class RemoteBackend:
         if s.ignore_eos:
             body["ignore_eos"] = True
         body["stream_options"] = {"include_usage": True} | ({"continuous_usage_stats": True} if self.continuous_usage else {})
-        self._running += 1
-        self._queued_tokens += len(request.prompt_token_ids)
-        first = True
         counted: dict[int, int] = {}  # tokens per choice passed on so far
         held: Output | None = None  # without per-chunk usage, the latest output waits for the final usage chunk
         try:
@@ -87,9 +82,6 @@ class RemoteBackend:
                             held = held or Output([ChoiceDelta(0, "", 0)])
                             held.choices[-1].num_tokens += missing
                             counted[held.choices[-1].index] = counted.get(held.choices[-1].index, 0) + missing
-                    if first and choices:
-                        first = False
-                        self._queued_tokens -= len(request.prompt_token_ids)
                     if choices and self.continuous_usage:
                         yield Output(choices)
                     elif choices:
@@ -102,10 +94,6 @@ class RemoteBackend:
             raise BackendDown(f"pool {self.name}: {type(e).__name__}: {e}") from e
         except httpx.HTTPError as e:
             raise BackendError(f"pool {self.name}: {type(e).__name__}: {e}") from e
-        finally:
-            self._running -= 1
-            if first:
-                self._queued_tokens -= len(request.prompt_token_ids)
 
     def _choice(self, c: dict, usage: dict | None, counted: dict[int, int]) -> ChoiceDelta:
         index = c.get("index", 0)
@@ -135,9 +123,6 @@ class RemoteBackend:
 
     async def recover(self) -> None:
         await self.start()  # nothing to restart here: the server is reachable again or not
-
-    def load(self) -> Load:
-        return Load(running=self._running, queued_prompt_tokens=self._queued_tokens)
 
     async def stop(self) -> None:
         await self.client.aclose()

@@ -1,0 +1,441 @@
+"""Request handling: validate -> authenticate -> count tokens -> limit -> route -> stream, and the pools'
+lifecycle (start, health watch, recovery).
+
+One public model name maps to the pools (routed by prompt/output ratio); each pool's own model name
+bypasses routing. Every response carries `x-swiftkv-route: pool=...; reason=...; ratio=...`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import secrets
+import time
+from contextlib import AbstractAsyncContextManager, aclosing, nullcontext
+from typing import AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from services.serving.backend import (Backend, BackendDown, BackendError, BadRequest, GenerateRequest, Output, SamplingOptions,
+                                      UpstreamError)
+from services.serving.config import PlatformConfig
+
+from . import metrics
+from .auth import KeyStore, RateLimiter
+from .errors import APIError, bad_request, error_body, sse_error
+from .prompts import Prompter, max_model_len
+from .render import ChatRender, Choice, CompletionRender, sse_event, usage_dict
+from .routing import Ewma, NoPoolAvailable, PoolState, RoutePolicy
+from .schemas import ChatCompletionRequest, CompletionRequest, parse
+
+log = logging.getLogger("swiftkv.gateway")
+
+REJECTION_REASONS = {
+    "invalid_api_key": "auth",
+    "rate_limit_exceeded": "rate_limit",
+    "request_too_large": "body_too_large",
+    "context_length_exceeded": "prompt_too_long",
+    "model_not_found": "unknown_model",
+    "unavailable": "unavailable",
+}
+
+
+class Gateway:
+    """Holds the pools and everything a request needs; the FastAPI app is a thin shell around it."""
+
+    def __init__(self, cfg: PlatformConfig, backends: dict[str, Backend], prompter: Prompter, keys: KeyStore,
+                 on_ready: Callable[[], None] | None = None, extra_metrics: Callable[[], Awaitable[str]] | None = None):
+        self.cfg = cfg
+        self.extra_metrics = extra_metrics  # engine metrics living elsewhere (Ray's metrics agent)
+        self.prompter = prompter
+        self.keys = keys
+        self.on_ready = on_ready
+        self.pools = {
+            name: PoolState(name, backend, cfg.served_name(name), max_model_len(cfg.pools[name].model, cfg.pools[name].engine_args))
+            for name, backend in backends.items()
+        }
+        self.models: dict[str, str | None] = {cfg.model: None} | {p.served_model_name: name for name, p in self.pools.items()}
+        lens = [p.max_model_len for p in self.pools.values() if p.max_model_len]
+        self.max_model_len = min(lens) if lens else None
+        self.max_prompt_tokens = cfg.limits.max_prompt_tokens or (self.max_model_len - 1 if self.max_model_len else None)
+        self.policy = RoutePolicy(cfg.routing)
+        self.limiter = RateLimiter(cfg.limits.requests_per_minute, cfg.limits.prompt_tokens_per_minute,
+                                   cfg.limits.output_tokens_per_minute, keys.digests)
+        self.output_estimate = Ewma(float(cfg.routing.default_output_estimate))
+        self.created = int(time.time())
+        self.live_waiting = {name: 0 for name in self.pools}  # live requests without their first token (batch work yields to them)
+        self._tasks: list[asyncio.Task] = []
+        self.started = False  # the first start of every pool has been tried
+        self._announced = False
+        for name in self.pools:
+            metrics.pool_ready.labels(name).set(0)
+            metrics.in_flight.labels(name).set(0)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start pools one by one (engines compete for the same cores), then watch each one's health."""
+        for pool in self.pools.values():
+            try:
+                await pool.backend.start()
+                self._set_ready(pool, True)
+            except Exception:
+                log.exception("pool %s failed to start; the other pool serves its traffic until it recovers", pool.name)
+        # Everything loaded so far (torch, transformers, engines: ~10^6 objects) lives as long as the process.
+        # Freezing it keeps the cyclic GC from re-scanning it: a full collection otherwise costs ~0.5 s on
+        # two cores and, amortized, about as much CPU per request as the rest of the gateway.
+        gc.collect()
+        gc.freeze()
+        self.started = True
+        self._announce()
+        self._tasks += [asyncio.create_task(self._watch(pool)) for pool in self.pools.values()]
+
+    def _set_ready(self, pool: PoolState, ready: bool) -> None:
+        if ready != pool.ready:
+            log.log(logging.INFO if ready else logging.WARNING, "pool %s %s (%s)", pool.name,
+                    "ready" if ready else "is down", pool.served_model_name)
+        pool.ready = ready
+        metrics.pool_ready.labels(pool.name).set(int(ready))
+
+    def _announce(self) -> None:
+        if self.on_ready is not None and self.ready and not self._announced:
+            self._announced = True
+            self.on_ready()
+
+    async def _watch(self, pool: PoolState) -> None:
+        """Check one pool every period: a failed check takes it out of routing and asks the backend to
+        recover (a dead in-process engine is restarted); failed recoveries are retried with exponential
+        backoff, and the pool rejoins routing once its check passes."""
+        h = self.cfg.health
+        delay = h.period_seconds
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                healthy = await asyncio.wait_for(pool.backend.health(), timeout=h.timeout_seconds)
+            except Exception:  # a hung or failing health check means the pool is down, not the gateway
+                healthy = False
+            self._set_ready(pool, healthy)
+            if healthy:
+                delay = h.period_seconds
+                self._announce()
+                continue
+            try:
+                await pool.backend.recover()
+                delay = h.period_seconds
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                delay = min(max(delay, h.period_seconds) * 2, h.max_backoff_seconds)
+                log.warning("pool %s: recovery failed (%s: %s); next attempt in %.0f s", pool.name, type(e).__name__, e, delay)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for pool in self.pools.values():
+            try:
+                await pool.backend.stop()
+            except Exception:
+                log.exception("stopping pool %s", pool.name)
+
+    @property
+    def ready(self) -> bool:
+        return all(p.ready for p in self.pools.values())
+
+    @property
+    def alive(self) -> bool:
+        """False once started when no pool can serve: the process is of no use until one recovers."""
+        return not self.started or any(p.ready for p in self.pools.values())
+
+    # ---- request preparation ---------------------------------------------------------------------
+    async def read_json(self, request: Request) -> object:
+        limit = self.cfg.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise APIError(400, f"request body is {declared} bytes; the limit is {limit} bytes", code="request_too_large")
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(400, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        try:
+            return json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"malformed JSON body: {e}", code="invalid_json")
+
+    def resolve_model(self, name: str) -> str | None:
+        if name not in self.models:
+            raise APIError(404, f"the model '{name}' does not exist; available: {', '.join(self.models)}",
+                           param="model", code="model_not_found")
+        return self.models[name]
+
+    def output_tokens(self, prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
+        """max_tokens for the engine: what the client asked for, or what fits in the context."""
+        if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
+            raise APIError(400, f"the prompt has {prompt_tokens} tokens; the limit is {self.max_prompt_tokens} tokens",
+                           param=prompt_param, code="context_length_exceeded")
+        if self.max_model_len is None:
+            return requested or self.cfg.routing.default_output_estimate
+        room = self.max_model_len - prompt_tokens
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_tokens} tokens and leaves no room to answer in this model's "
+                                f"maximum context length of {self.max_model_len} tokens", param=prompt_param,
+                           code="context_length_exceeded")
+        if requested is not None and requested > room:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens: the prompt has "
+                                f"{prompt_tokens} and max_tokens asks for {requested}", param="max_tokens",
+                           code="context_length_exceeded")
+        return requested or room
+
+    # ---- serving ---------------------------------------------------------------------------------
+    async def tracked(self, pool: PoolState, model: str, request: GenerateRequest, t0: float, identity: str,
+                      reserved: int | None, estimate_output: bool, source: str = "live") -> AsyncIterator[Output]:
+        """The backend's stream with the gateway's bookkeeping: metrics, backlog, estimates, limits."""
+        prompt_tokens = len(request.prompt_token_ids)
+        m = metrics.for_pool(pool.name, model, source)
+        m.in_flight.inc()
+        m.prompt_tokens.inc(prompt_tokens)
+        pool.dispatched(prompt_tokens)
+        live = source == "live"
+        if live:
+            self.live_waiting[pool.name] += 1
+        first_at = None
+        generated = 0
+        status = "error"
+        try:
+            async with aclosing(pool.backend.generate(request)) as stream:
+                async for out in stream:
+                    n = sum(c.num_tokens for c in out.choices)
+                    if first_at is None and n:
+                        first_at = time.perf_counter()
+                        if live:
+                            self.live_waiting[pool.name] -= 1
+                        pool.first_token(prompt_tokens, first_at - t0)
+                        m.ttft.observe(first_at - t0)
+                    if out.queue_seconds is not None:
+                        m.queue.observe(out.queue_seconds)
+                    generated += n
+                    yield out
+            status = "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "client_disconnect"
+            raise
+        except BackendDown:
+            # The pool cannot serve (engine dead, server unreachable): route around it now; the health
+            # watcher brings it back once it answers. A failure of one request leaves the pool in routing.
+            self._set_ready(pool, False)
+            raise
+        finally:
+            end = time.perf_counter()
+            if first_at is None:
+                if live:
+                    self.live_waiting[pool.name] -= 1
+                pool.first_token(prompt_tokens, 0.0)
+            m.in_flight.dec()
+            m.requests[status].inc()
+            m.generation_tokens.inc(generated)
+            m.e2e.observe(end - t0)
+            per_choice = generated / max(request.sampling.n, 1)
+            if first_at is not None and per_choice > 1:
+                m.tpot.observe((end - first_at) / (per_choice - 1))
+            if status == "ok" and estimate_output:
+                self.output_estimate.update(per_choice)
+            if reserved is not None:  # charge what was generated, beyond the reservation too
+                self.limiter.settle(identity, reserved, generated)
+
+    async def prepare(self, request: Request, kind: str):
+        """Everything before dispatch; raises APIError for any refusal."""
+        identity = self.keys.identify(request.headers.get("authorization"))
+        data = await self.read_json(request)
+        return self.prepare_body(data, kind, identity)
+
+    def prepare_body(self, data: object, kind: str, identity: str, charge: bool = True):
+        """A parsed body -> what dispatch needs; `charge=False` leaves the per-minute limits alone."""
+        if kind == "chat":
+            req = parse(ChatCompletionRequest, data)
+            logprobs = req.logprobs_k()
+            pinned = self.resolve_model(req.model)
+            prompt_ids = self.prompter.chat(req)
+        else:
+            req = parse(CompletionRequest, data)
+            if req.echo or req.suffix is not None:
+                raise bad_request("echo and suffix are not supported", param="echo" if req.echo else "suffix")
+            logprobs = req.logprobs_k()
+            pinned = self.resolve_model(req.model)
+            prompt_ids = self.prompter.completion(req)
+        requested = req.output_limit()
+        max_tokens = self.output_tokens(len(prompt_ids), requested, "messages" if kind == "chat" else "prompt")
+        expected = requested or max(1, min(max_tokens, round(self.output_estimate.value)))
+        reserved = expected * req.n if charge else None  # None: not charged to the key's limits
+        if reserved is not None:
+            self.limiter.acquire(identity, len(prompt_ids), reserved)
+        try:
+            decision = self.policy.decide(len(prompt_ids), expected, self.pools, pinned)
+        except NoPoolAvailable as e:
+            if reserved is not None:
+                self.limiter.settle(identity, reserved, 0)
+            raise APIError(503, f"{e}; try again shortly", "server_error", code="unavailable")
+        sampling = SamplingOptions(
+            max_tokens=max_tokens, n=req.n, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+            stop=req.stops(), logprobs=logprobs, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, ignore_eos=req.ignore_eos,
+        )
+        return identity, req, GenerateRequest(secrets.token_hex(12), prompt_ids, sampling), decision, reserved, requested is None
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        t0 = time.perf_counter()
+        try:
+            identity, req, gen, decision, reserved, estimate = await self.prepare(request, kind)
+        except APIError as e:
+            metrics.rejections.labels(REJECTION_REASONS.get(e.code or "", "invalid_request"), "live").inc()
+            return e.response()
+        metrics.route_decisions.labels(decision.pool, decision.reason, "live").inc()
+        metrics.for_pool(decision.pool, req.model).overhead.observe(time.perf_counter() - t0)
+        pool = self.pools[decision.pool]
+        stream = self.tracked(pool, req.model, gen, t0, identity, reserved, estimate)
+        headers = {"x-swiftkv-route": decision.header(), "x-request-id": gen.request_id}
+        render = ChatRender if kind == "chat" else CompletionRender
+        r = render(gen.request_id, req.model, int(time.time()), req.n, gen.sampling.logprobs is not None)
+        if req.stream:
+            # The status line goes out with the first byte: wait for the first output (or the error), so a
+            # request the engine refuses gets its real 4xx/5xx instead of a 200 with an error event.
+            try:
+                first = await self.first_outputs(request, stream)
+            except ClientGone:
+                return Response(status_code=499)
+            except (BackendError, BadRequest) as e:
+                await stream.aclose()
+                status, body = failure(e)
+                return JSONResponse(body, status_code=status, headers=headers)
+            return StreamingResponse(self.sse(stream, first, r, len(gen.prompt_token_ids), req.include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        return await self.complete(request, stream, r, len(gen.prompt_token_ids), headers)
+
+    async def first_outputs(self, request: Request, stream: AsyncIterator[Output]) -> list[Output]:
+        """The stream's outputs up to the first with content (all of them if it ends first); the engine's
+        refusal is raised from here. A client that leaves meanwhile aborts the request (ClientGone)."""
+        outputs: list[Output] = []
+
+        async def pull() -> None:
+            while (out := await anext(stream, None)) is not None:
+                outputs.append(out)
+                if out.choices:
+                    return
+
+        await until_disconnect(request, pull())
+        return outputs
+
+    async def run_request(self, data: object, kind: str, identity: str, *, source: str = "batch", priority: int = 0,
+                          slot: Callable[[str], AbstractAsyncContextManager] | None = None) -> tuple[int, dict]:
+        """Serve one already-parsed, non-streamed request body without HTTP (the Batch API's lines): the same
+        validation, token counting, routing, backends and metrics (labelled `source`) as live traffic, at
+        the engine priority given, not charged to per-minute limits. `slot(pool)` is entered once the pool
+        is chosen and held while the engine works (the caller's bound on its own requests per pool)."""
+        try:
+            _, req, gen, decision, reserved, estimate = self.prepare_body(data, kind, identity, charge=False)
+            if req.stream:
+                raise bad_request("stream is not supported here", param="stream")
+        except APIError as e:
+            metrics.rejections.labels(REJECTION_REASONS.get(e.code or "", "invalid_request"), source).inc()
+            return e.status, e.body()
+        gen.priority = priority
+        async with slot(decision.pool) if slot is not None else nullcontext():
+            metrics.route_decisions.labels(decision.pool, decision.reason, source).inc()
+            stream = self.tracked(self.pools[decision.pool], req.model, gen, time.perf_counter(), identity, reserved, estimate, source)
+            render = ChatRender if kind == "chat" else CompletionRender
+            r = render(gen.request_id, req.model, int(time.time()), req.n, gen.sampling.logprobs is not None)
+            return await self.collect(stream, r, len(gen.prompt_token_ids))
+
+    async def collect(self, stream: AsyncIterator[Output], r, prompt_tokens: int) -> tuple[int, dict]:
+        """A whole (non-streamed) answer: (status, OpenAI body)."""
+        choices = [Choice() for _ in range(r.n)]
+        try:
+            async with aclosing(stream) as s:
+                async for out in s:
+                    for c in out.choices:
+                        ch = choices[c.index]
+                        ch.text.append(c.text)
+                        ch.tokens += c.num_tokens
+                        ch.finish_reason = c.finish_reason or ch.finish_reason
+                        if c.logprobs:
+                            ch.logprobs.extend(c.logprobs)
+        except (BadRequest, BackendError) as e:
+            return failure(e)
+        completion_tokens = sum(c.tokens for c in choices)
+        return 200, r.full(choices, usage_dict(prompt_tokens, completion_tokens))
+
+    async def complete(self, request: Request, stream: AsyncIterator[Output], r, prompt_tokens: int, headers) -> Response:
+        try:
+            status, body = await until_disconnect(request, self.collect(stream, r, prompt_tokens))
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    async def sse(self, stream: AsyncIterator[Output], first: list[Output], r, prompt_tokens: int,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+        """The SSE body after `first_outputs`: errors from here on can only be events in the stream."""
+        completion_tokens = 0
+
+        async def outputs():
+            for out in first:
+                yield out
+            async for out in stream:
+                yield out
+
+        try:
+            async with aclosing(stream):
+                for chunk in r.start():
+                    yield sse_event(chunk, include_usage)
+                async for out in outputs():
+                    completion_tokens += sum(c.num_tokens for c in out.choices)
+                    yield sse_event(r.chunk(out), include_usage)
+        except (BadRequest, BackendError) as e:
+            status, body = failure(e)
+            yield sse_error(body["error"]["message"], body["error"]["type"], body["error"]["code"])
+            return
+        if include_usage:
+            yield sse_event(r.usage_chunk(usage_dict(prompt_tokens, completion_tokens)), False)
+        yield b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The client disconnected while the gateway waited for the engine."""
+
+
+async def until_disconnect(request: Request, work: Awaitable):
+    """Await `work` while a watcher waits for the client to leave; if it does, `work` is cancelled (which
+    closes the stream and aborts the engine request) and ClientGone is raised."""
+    current = asyncio.current_task()
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        current.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        current.uncancel()
+        raise ClientGone from None
+    finally:
+        watcher.cancel()
+
+
+def failure(e: BadRequest | BackendError) -> tuple[int, dict]:
+    """A request the engine refused or failed: (status, OpenAI error body). Only a pool that is down is a
+    503 (retry elsewhere or later); one request's failure is a 500."""
+    if isinstance(e, BadRequest):
+        return 400, error_body(str(e))
+    if isinstance(e, UpstreamError):  # a remote server's own answer, passed on as it came
+        return e.status, error_body(e.message, e.type, e.param, e.code)
+    log.warning("%s", e)
+    if isinstance(e, BackendDown):
+        return 503, error_body("the engine failed to serve this request; try again", "server_error", code="unavailable")
+    return 500, error_body("the engine failed to serve this request", "server_error")
