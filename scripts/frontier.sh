@@ -53,7 +53,7 @@ evaluate() {
       out="$RUNS/$name/eval-$text.json"
       [ -f "$out" ] && continue
       "$SWIFTKV" eval "${THREADS_FLAG[@]}" --teacher "$BASE" --student "$RUNS/$name" --text "$DATA/$text.jsonl" --seq-len 512 \
-        --max-tokens 16384 --num-prompts 16 --gen-tokens 32 --long-docs 8 --json > "$out.tmp"
+        --max-tokens 8192 --num-prompts 8 --gen-tokens 32 --long-docs 6 --json > "$out.tmp"
       mv "$out.tmp" "$out"
     done
   done
