@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -66,10 +65,10 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_machine(cfg, engine)
     try:
-        # The command-line flag wins over SWIFTKV_API_KEYS_FILE, which wins over the config's api_keys_file.
-        keys = KeyStore.from_env(api_keys_file or os.environ.get("SWIFTKV_API_KEYS_FILE") or cfg.api_keys_file)
+        keys = KeyStore.from_env(api_keys_file or cfg.api_keys_file)
     except (OSError, ValueError) as e:
         fail(f"API keys: {e}")
+    batch = _batch_service(cfg)  # before any engine or Ray cluster starts: a bad store fails fast
     # Pools share one tokenizer (a SwiftKV model keeps its base model's); the base model's loads plainly.
     pool = cfg.pools.get("decode") or next(iter(cfg.pools.values()))
     prompter = Prompter(pool.tokenizer or pool.model)
@@ -94,7 +93,8 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
                    % (cfg.host, cfg.port, key_hint, cfg.model))
 
     gateway = Gateway(cfg, backends, prompter, keys, on_ready=on_ready, extra_metrics=extra_metrics)
-    app = create_app(gateway, extensions=[_batch_service(cfg, gateway)])
+    batch.attach(gateway)
+    app = create_app(gateway, extensions=[batch])
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     finally:
@@ -104,13 +104,13 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
             stop_ray(started_local_cluster=not cfg.ray_address)
 
 
-def _batch_service(cfg, gateway):
+def _batch_service(cfg):
     from sqlalchemy.exc import SQLAlchemyError
 
     from services.batch.service import BatchService
 
     try:
-        return BatchService(cfg, gateway)
+        return BatchService(cfg)
     except (SQLAlchemyError, OSError, ImportError, ValueError) as e:
         fail(f"batch store ({cfg.database_url or cfg.data_dir}): {e}")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
+from sqlalchemy.exc import OperationalError
 from starlette.datastructures import UploadFile
 from starlette.responses import FileResponse
 
@@ -68,7 +69,12 @@ def build_router(service) -> APIRouter:
     def owner(request: Request) -> str:
         return gateway.keys.identify(request.headers.get("authorization"))
 
-    db = service.io
+    async def db(fn, *args):
+        try:
+            return await service.io(fn, *args)
+        except OperationalError as e:  # the database is down or unreachable: the client may retry
+            raise APIError(503, f"the batch store is unavailable: {type(e.orig).__name__ if e.orig else e}; try again shortly",
+                           "server_error", code="unavailable")
 
     # ---- files -----------------------------------------------------------------------------------
     @router.post("/v1/files")
@@ -92,7 +98,11 @@ def build_router(service) -> APIRouter:
                 raise APIError(400, f"{e}", param="file", code="file_too_large")
             record = {"id": file_id, "owner": who, "purpose": purpose, "filename": (upload.filename or "upload")[:512],
                       "bytes": size, "created_at": int(time.time())}
-            await db(store.add_file, record)
+            try:
+                await db(store.add_file, record)
+            except BaseException:
+                await service.io(files.delete, file_id)  # no record, no contents
+                raise
         finally:
             await form.close()
         return file_object(record)

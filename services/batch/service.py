@@ -16,17 +16,22 @@ from .threads import Threads
 
 
 class BatchService:
-    def __init__(self, cfg: PlatformConfig, gateway):
+    """Opened before the engines start (a bad database fails the command at once), then attached to the
+    gateway whose request path replays the lines."""
+
+    def __init__(self, cfg: PlatformConfig):
         data_dir = Path(cfg.data_dir).expanduser()
         data_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg.batch
-        self.gateway = gateway
         self.store = BatchStore(cfg.database_url or f"sqlite:///{data_dir / 'swiftkv.db'}")
         self.files = FileStore(data_dir / "files")
         self.io = Threads()
-        self.runner = Runner(self.store, self.files, gateway, cfg.batch, self.io)
-        self.router = build_router(self)
         self._task: asyncio.Task | None = None
+
+    def attach(self, gateway) -> None:
+        self.gateway = gateway
+        self.runner = Runner(self.store, self.files, gateway, self.cfg, self.io)
+        self.router = build_router(self)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self.runner.run())
