@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -65,7 +66,8 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_machine(cfg, engine)
     try:
-        keys = KeyStore.from_env(api_keys_file or cfg.api_keys_file)
+        # The command-line flag wins over SWIFTKV_API_KEYS_FILE, which wins over the config's api_keys_file.
+        keys = KeyStore.from_env(api_keys_file or os.environ.get("SWIFTKV_API_KEYS_FILE") or cfg.api_keys_file)
     except (OSError, ValueError) as e:
         fail(f"API keys: {e}")
     batch = _batch_service(cfg)  # before any engine or Ray cluster starts: a bad store fails fast
