@@ -141,10 +141,12 @@ class Job:
                     "status": "failed", "failed_at": int(time.time()), "errors": {"object": "list", "data": errors}}, [])
                 metrics.finished.labels("failed").inc()
                 return
-            if self.batch["status"] == "validating":
-                await r.io(r.store.update_held, self.id, r.worker, status="in_progress",
-                                        in_progress_at=int(time.time()), total=len(lines))
-                self.batch["status"] = "in_progress"
+            values = {"total": len(lines)} if self.batch["total"] != len(lines) else {}
+            if self.batch["status"] == "validating":  # (a batch cancelled while validating keeps its status)
+                values |= {"status": "in_progress", "in_progress_at": int(time.time())}
+            if values:
+                await r.io(r.store.update_held, self.id, r.worker, **values)
+                self.batch |= values
             done = await r.io(r.store.done_lines, self.id)
             todo = deque(line for line in lines if line.number not in done)
             if self.batch["status"] == "cancelling":
