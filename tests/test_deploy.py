@@ -205,7 +205,11 @@ def test_serve_config_builds_the_ray_serve_applications(monkeypatch):
     deploys, for each pool's args (no Ray cluster needed to build an application)."""
     pytest.importorskip("ray.serve")
     monkeypatch.syspath_prepend(str(ROOT / "deploy" / "ray"))
+    from ray.serve.schema import ServeDeploySchema
+
     serve_config = yaml.safe_load(find(render(), "RayService")[0]["spec"]["serveConfigV2"])
+    schema = ServeDeploySchema.model_validate(serve_config)  # what Ray Serve checks before it deploys it
+    assert str(schema.proxy_location.value) == "Disabled" and all(a.route_prefix is None for a in schema.applications)
     assert [a["name"] for a in serve_config["applications"]] == ["swiftkv-decode", "swiftkv-prefill"]
     for app in serve_config["applications"]:
         module, attr = app["import_path"].split(":")
