@@ -93,3 +93,29 @@ def build_tiny_llama(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def perturb_swiftkv(swiftkv_dir: str | Path, scale: float = 0.2, seed: int = 1) -> Path:
+    """Add deterministic noise to every SwiftKV tensor of a converted checkpoint, in place; return its path.
+
+    A fresh conversion copies its SwiftKV tensors from the base model (q_proj_swiftkv == q_proj,
+    norm_swiftkv == layer l's input norm, k/v_proj_swiftkv == the layer's own with g = 1), so a loader that
+    read the wrong one of such a pair would still produce the right logits. The noise (`scale` times each
+    projection's standard deviation; norm weights multiplied by 1 + `scale` * N(0, 1)) makes every SwiftKV
+    tensor differ from every other tensor while the model stays a sane, decisive tiny Llama.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from .convert import SWIFTKV_SHARD
+
+    shard = Path(swiftkv_dir) / SWIFTKV_SHARD
+    gen = torch.Generator().manual_seed(seed)
+    noisy = {}
+    for name, t in sorted(load_file(shard).items()):
+        noise = scale * torch.randn(t.shape, generator=gen)
+        if t.dim() == 1:  # RMSNorm weight
+            noisy[name] = (t.float() * (1 + noise)).to(t.dtype)
+        else:
+            noisy[name] = (t.float() + noise * t.float().std()).to(t.dtype)
+    save_file(noisy, shard, metadata={"format": "pt"})
+    return Path(swiftkv_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 # Tests never reach a model hub: everything they load is built locally (here, or by `models prepare`).
@@ -12,7 +13,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 
 from swiftkv_core.convert import convert
-from swiftkv_core.tiny import build_tiny_llama
+from swiftkv_core.tiny import build_tiny_llama, perturb_swiftkv
 
 # 8 layers so l = 4 skips half and AcrossKV groups of 2 and 4 divide L - l.
 TINY_LAYERS = 8
@@ -24,15 +25,34 @@ def tiny_base(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_swiftkv(tiny_base, tmp_path_factory) -> Path:
-    """l = 4 of 8 (SingleInputKV only), undistilled."""
-    return convert(str(tiny_base), tmp_path_factory.mktemp("tiny-swiftkv"), num_key_value_layers=4)
+def tiny_swiftkv_undistilled(tiny_base, tmp_path_factory) -> Path:
+    """l = 4 of 8 (SingleInputKV only), straight from the converter: SwiftKV tensors copied from the base."""
+    return convert(str(tiny_base), tmp_path_factory.mktemp("tiny-swiftkv-undistilled"), num_key_value_layers=4)
 
 
 @pytest.fixture(scope="session")
-def tiny_swiftkv_across(tiny_base, tmp_path_factory) -> Path:
-    """l = 4 of 8 with 2-way AcrossKV, undistilled."""
-    return convert(str(tiny_base), tmp_path_factory.mktemp("tiny-swiftkv-across"), num_key_value_layers=4, key_value_group_size=2)
+def tiny_swiftkv_across_undistilled(tiny_base, tmp_path_factory) -> Path:
+    """l = 4 of 8 with 2-way AcrossKV, straight from the converter."""
+    return convert(str(tiny_base), tmp_path_factory.mktemp("tiny-swiftkv-across-undistilled"), num_key_value_layers=4, key_value_group_size=2)
+
+
+def _perturbed_copy(src: Path, tmp_path_factory, name: str) -> Path:
+    dest = tmp_path_factory.mktemp(name) / "model"
+    shutil.copytree(src, dest)
+    return perturb_swiftkv(dest)
+
+
+@pytest.fixture(scope="session")
+def tiny_swiftkv(tiny_swiftkv_undistilled, tmp_path_factory) -> Path:
+    """l = 4 of 8 (SingleInputKV only), every SwiftKV tensor perturbed like a distilled one, so each differs
+    from the base tensor it was initialised from (parity then checks that each one is loaded right)."""
+    return _perturbed_copy(tiny_swiftkv_undistilled, tmp_path_factory, "tiny-swiftkv")
+
+
+@pytest.fixture(scope="session")
+def tiny_swiftkv_across(tiny_swiftkv_across_undistilled, tmp_path_factory) -> Path:
+    """l = 4 of 8 with 2-way AcrossKV, SwiftKV tensors perturbed."""
+    return _perturbed_copy(tiny_swiftkv_across_undistilled, tmp_path_factory, "tiny-swiftkv-across")
 
 
 @pytest.fixture(scope="session")

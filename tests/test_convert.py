@@ -19,8 +19,8 @@ def _tensors(folder):
     return out
 
 
-def test_convert_initialises_like_snowflake(tiny_base, tiny_swiftkv_across):
-    base, new = _tensors(tiny_base), _tensors(tiny_swiftkv_across)
+def test_convert_initialises_like_snowflake(tiny_base, tiny_swiftkv_across_undistilled):
+    base, new = _tensors(tiny_base), _tensors(tiny_swiftkv_across_undistilled)
     assert torch.equal(new["model.norm_swiftkv.weight"], base["model.layers.4.input_layernorm.weight"])
     for i in range(4, 8):
         assert torch.equal(new[f"model.layers.{i}.self_attn.q_proj_swiftkv.weight"], base[f"model.layers.{i}.self_attn.q_proj.weight"])

@@ -23,8 +23,8 @@ def eval_text(tmp_path_factory):
     return path
 
 
-def test_metrics_of_an_undistilled_student(tiny_base, tiny_swiftkv, eval_text):
-    r = evaluate(tiny_base, tiny_swiftkv, eval_text, seq_len=64, max_tokens=512, num_prompts=2, gen_tokens=4,
+def test_metrics_of_an_undistilled_student(tiny_base, tiny_swiftkv_undistilled, eval_text):
+    r = evaluate(tiny_base, tiny_swiftkv_undistilled, eval_text, seq_len=64, max_tokens=512, num_prompts=2, gen_tokens=4,
                  long_docs=2, long_min_tokens=64, long_max_tokens=96, answer_tokens=4)
     for key in ("top1_agreement", "kl", "ppl_teacher", "ppl_student", "greedy_exact_match", "greedy_token_agreement",
                 "long_teacher_forced_agreement", "long_rouge_l", "long_exact_match"):

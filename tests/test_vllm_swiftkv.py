@@ -9,6 +9,7 @@ engine uses the same KV memory budget, 32-token blocks (so short prompts share c
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from fractions import Fraction
 
 import pytest
@@ -109,6 +110,59 @@ def assert_matches_reference(ref, prompts, outputs, swiftkv: bool = True, logpro
                 assert abs(lp.logprob - ref_logprobs[step, token].item()) < logprob_tol, (len(p), step, token)
 
 
+def deviates_from_reference(ref, prompts, outputs, swiftkv: bool = True, logprob_tol: float = 1e-4) -> bool:
+    """Whether `assert_matches_reference` would fail, teacher-forced (one reference forward per prompt)."""
+    with torch.no_grad():
+        for p, out in zip(prompts, outputs):
+            got = list(out.outputs[0].token_ids)
+            logits = ref(torch.tensor([p + got]), swiftkv=swiftkv).logits[0, len(p) - 1 : -1]
+            if logits.argmax(-1).tolist() != got:
+                return True
+            ref_logprobs = logits.log_softmax(-1)
+            for step, step_logprobs in enumerate(out.outputs[0].logprobs):
+                if any(abs(lp.logprob - ref_logprobs[step, t].item()) >= logprob_tol for t, lp in step_logprobs.items()):
+                    return True
+    return False
+
+
+def swapped_loads(ref):
+    """Every wrong way of loading a SwiftKV tensor: it swapped with any other tensor of the model of the same
+    shape (another layer's or the original q/k/v projection, k vs v, norm_swiftkv vs any other norm)."""
+    params = dict(ref.named_parameters())
+    swiftkv = set(ref.swiftkv_parameters())
+    pairs = {tuple(sorted((a, b))) for a in swiftkv for b, p in params.items() if b != a and p.shape == params[a].shape}
+    return sorted(pairs)
+
+
+@contextmanager
+def swapped(ref, a: str, b: str):
+    params = dict(ref.named_parameters())
+    with torch.no_grad():
+        saved = params[a].clone()
+        params[a].copy_(params[b])
+        params[b].copy_(saved)
+        try:
+            yield ref
+        finally:
+            params[b].copy_(params[a])
+            params[a].copy_(saved)
+
+
+def assert_every_swap_breaks_parity(ref, prompts, outputs):
+    """The engine matched `ref`; a loader that swapped any SwiftKV tensor would not have (the fixtures' SwiftKV
+    tensors are perturbed so that no two are equal), so the parity tests check that each one is loaded right."""
+    pairs = swapped_loads(ref)
+    kinds = {name.rsplit(".", 2)[-2] for pair in pairs for name in pair}
+    assert {"q_proj_swiftkv", "k_proj_swiftkv", "v_proj_swiftkv", "norm_swiftkv", "q_proj", "k_proj", "input_layernorm"} <= kinds
+    undetected = []
+    for a, b in pairs:
+        with swapped(ref, a, b):
+            if not deviates_from_reference(ref, prompts, outputs):
+                undetected.append((a, b))
+    assert not undetected, f"{len(undetected)} of {len(pairs)} swaps still match the engine: {undetected[:5]}"
+    assert not deviates_from_reference(ref, prompts, outputs)  # swapped back
+
+
 # --- SwiftKV (l = 4 of 8) -----------------------------------------------------------------------
 
 
@@ -127,10 +181,18 @@ def test_plugin_registers_architecture_and_config(tiny_swiftkv):
     assert AutoConfig.from_pretrained(tiny_swiftkv).model_type == "llama_swiftkv"
 
 
-def test_swiftkv_mixed_batch_matches_reference(engines, tiny_swiftkv, ref_swiftkv):
-    llm = engines.get(tiny_swiftkv)
+@pytest.fixture(scope="module")
+def swiftkv_mixed_batch(engines, tiny_swiftkv):
     prompts = [prompt(n) for n in PROMPT_LENGTHS]
-    assert_matches_reference(ref_swiftkv, prompts, generate(llm, prompts))
+    return prompts, generate(engines.get(tiny_swiftkv), prompts)
+
+
+def test_swiftkv_mixed_batch_matches_reference(swiftkv_mixed_batch, ref_swiftkv):
+    assert_matches_reference(ref_swiftkv, *swiftkv_mixed_batch)
+
+
+def test_swiftkv_parity_catches_every_swapped_tensor(swiftkv_mixed_batch, ref_swiftkv):
+    assert_every_swap_breaks_parity(ref_swiftkv, *swiftkv_mixed_batch)
 
 
 def test_swiftkv_loads_no_original_qkv_for_later_layers(engines, tiny_swiftkv):
@@ -176,15 +238,29 @@ def test_swiftkv_kv_capacity(engines, tiny_swiftkv):
 # --- SwiftKV + 2-way AcrossKV -------------------------------------------------------------------
 
 
-def test_acrosskv_mixed_batch_matches_reference(engines, tiny_swiftkv_across):
-    ref = load_model(str(tiny_swiftkv_across))
-    llm = engines.get(tiny_swiftkv_across)
+@pytest.fixture(scope="module")
+def ref_across(tiny_swiftkv_across):
+    return load_model(str(tiny_swiftkv_across))
+
+
+@pytest.fixture(scope="module")
+def across_mixed_batch(engines, tiny_swiftkv_across):
     prompts = [prompt(n, seed=1) for n in PROMPT_LENGTHS]
-    assert_matches_reference(ref, prompts, generate(llm, prompts))
+    return prompts, generate(engines.get(tiny_swiftkv_across), prompts)
+
+
+def test_acrosskv_mixed_batch_matches_reference(engines, tiny_swiftkv_across, ref_across, across_mixed_batch):
+    ref, (prompts, outputs) = ref_across, across_mixed_batch
+    llm = engines.get(tiny_swiftkv_across)
+    assert_matches_reference(ref, prompts, outputs)
     # Prefix caching with shared caches: the same prompts again, now mostly served from the cache.
     again = generate(llm, prompts)
     assert sum(o.num_cached_tokens for o in again) > 0
     assert_matches_reference(ref, prompts, again)
+
+
+def test_acrosskv_parity_catches_every_swapped_tensor(ref_across, across_mixed_batch):
+    assert_every_swap_breaks_parity(ref_across, *across_mixed_batch)
 
 
 def test_acrosskv_shares_kv_caches_and_capacity_grows_exactly(engines, tiny_swiftkv_across):
