@@ -5,6 +5,7 @@ its own processes for the kill -9 tests (SQLite restart; two gateways on the rea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -67,7 +68,9 @@ class Platform:
     def start(self) -> "Platform":
         self.starts += 1
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SWIFTKV_API_KEYS": ""})
+            # Its own process group: a kill -9 takes the engine processes with it, as a container's would.
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SWIFTKV_API_KEYS": ""},
+                                         start_new_session=True)
         return self
 
     def wait_ready(self, timeout: float = 420) -> "Platform":
@@ -85,17 +88,21 @@ class Platform:
             time.sleep(0.5)
 
     def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
+        os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        with contextlib.suppress(ProcessLookupError):  # whatever is left of the group (engine processes)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def client(self, key: str = KEY_A) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key=key, max_retries=0, timeout=120)
