@@ -1,0 +1,101 @@
+"""The dashboards and alerts against a real Prometheus scraping a live platform (slow: two tiny engines)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_deploy import ROOT, find, render, tool
+def _promql_left_side(expr: str) -> str:
+    """An alert's expression without its threshold, so it returns data while nothing is wrong."""
+    return re.split(r"\s(?:>|<|==|!=|>=|<=)\s[^()]*$", expr.strip())[0]
+
+
+@pytest.mark.slow
+def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base, tiny_swiftkv, tmp_path):
+    """Prometheus (Debian's binary, loopback) scrapes a live `swiftkv serve --engine inprocess` on the tiny
+    fixtures; after a short load (live requests to both pools, a rejected one, a batch) every dashboard panel
+    query and every alert expression, run through Prometheus's HTTP API, returns a series with a number."""
+    import httpx
+    import openai
+
+    from test_gateway import engine_args, free_port, launch, stop, wait_until
+
+    sys.path.insert(0, str(ROOT / "deploy" / "grafana"))
+    try:
+        import dashboards
+        import render_png  # noqa: F401
+    finally:
+        sys.path.pop(0)
+    prometheus = tool("prometheus")
+    work = tmp_path / "serve"
+    work.mkdir()
+    config = {"model": "tiny", "port": free_port(), "data_dir": str(work / "data"),
+              "pools": {"prefill": {"model": str(tiny_swiftkv), "engine_args": engine_args()},
+                        "decode": {"model": str(tiny_base), "engine_args": engine_args()}},
+              "batch": {"poll_seconds": 0.2}}
+    proc, base = launch(work, config, "--engine", "inprocess", env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": ""})
+    prom_port = free_port()
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "swiftkv-gateway", "static_configs": [{"targets": [base.removeprefix("http://")]}]}]}))
+    prom = None
+    try:
+        wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 420, "ready")
+        with open(tmp_path / "prometheus.log", "w") as log:
+            prom = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                     f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=log, stderr=subprocess.STDOUT)
+        api = f"http://127.0.0.1:{prom_port}/api/v1"
+        wait_until(prom, tmp_path, lambda: httpx.get(f"{api}/query", params={"query": "up"}, timeout=2).json()["data"]["result"], 60, "scraping")
+
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        started = time.time()
+        long_prompt = "Summarize the following notes about the river and the town. " * 12
+        for i in range(4):  # prompt-heavy -> prefill, output-heavy -> decode, streamed and not
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long_prompt}], max_tokens=4)
+            for _ in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"Hi {i}"}], max_tokens=24,
+                                                    stream=True, stream_options={"include_usage": True}):
+                pass
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}], max_tokens=4)
+        lines = "".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions",
+                                    "body": {"model": "tiny", "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 4}}) + "\n"
+                        for i in range(3))
+        batch = client.batches.create(input_file_id=client.files.create(file=("in.jsonl", lines.encode()), purpose="batch").id,
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+        deadline = time.time() + 120
+        while client.batches.retrieve(batch.id).status != "completed":
+            assert time.time() < deadline, "batch did not complete"
+            time.sleep(0.5)
+        time.sleep(4)  # a few scrapes after the last request
+
+        rule = find(render(), "PrometheusRule")[0]
+        alert_exprs = [(r["alert"], _promql_left_side(r["expr"])) for g in rule["spec"]["groups"] for r in g["rules"]]
+        empty = []
+        for title, expr in dashboards.queries() + alert_exprs:
+            query = expr.replace("$__rate_interval", "1m")
+            body = httpx.get(f"{api}/query", params={"query": query}, timeout=10).json()
+            assert body["status"] == "success", (title, query, body)
+            values = [float(r["value"][1]) for r in body["data"]["result"]]
+            if not any(v == v for v in values):  # no series, or only NaN
+                empty.append(f"{title}: {query}")
+        assert not empty, "queries without data:\n" + "\n".join(empty)
+
+        # the latency panels as a picture, from the same queries (README: SWIFTKV_DASHBOARD_PNG=deploy/grafana/latency.png)
+        import render_png
+
+        for out in [tmp_path / "latency.png"] + ([Path(os.environ["SWIFTKV_DASHBOARD_PNG"])] if os.environ.get("SWIFTKV_DASHBOARD_PNG") else []):
+            assert render_png.render(f"http://127.0.0.1:{prom_port}", out, minutes=(time.time() - started) / 60 + 0.2).read_bytes()[:4] == b"\x89PNG"
+    finally:
+        if prom is not None:
+            prom.terminate()
+            prom.wait(30)
+        stop(proc)
