@@ -100,7 +100,8 @@ def test_lease_is_exclusive_and_taken_over_when_it_lapses(store):
     assert store.claim("A", 0.5)["id"] == batch_id
     assert store.claim("B", 0.5) is None
     assert store.renew(batch_id, "A", 0.5) is not None
-    time.sleep(0.6)  # A stopped renewing (killed)
+    time.sleep(0.6)  # A stopped renewing (killed, or late)
+    assert store.claim("A", 30, running=[batch_id]) is None  # a worker never takes a second lease on its own job
     assert store.claim("B", 30)["lease_owner"] == "B"
     assert store.renew(batch_id, "A", 30) is None
     assert not store.update_held(batch_id, "A", status="completed")

@@ -24,6 +24,55 @@ PURPOSES = ("batch", "fine-tune")
 BATCH_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata"}
 
 
+
+async def receive_upload(request: Request, who: str, purposes: tuple[str, ...], max_bytes: int, files, store, db, io) -> dict:
+    """`POST /v1/files` (multipart `file` and `purpose`) for the Batch API and the trainer: the contents into the
+    file store, then the record into the store; a refused or failed upload leaves neither. The File object."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes + (1 << 16):
+        raise APIError(400, f"the upload is {declared} bytes; files are limited to {max_bytes} bytes",
+                       param="file", code="file_too_large")
+    form = await request.form(max_files=1, max_fields=8)
+    try:
+        upload, purpose = form.get("file"), form.get("purpose")
+        if purpose not in purposes:
+            raise bad_request(f"purpose must be one of {', '.join(purposes)}", param="purpose")
+        if not isinstance(upload, UploadFile):
+            raise bad_request("a multipart field 'file' with the file's contents is required", param="file")
+        file_id = new_id("file-")
+        try:
+            size = await db(files.save, file_id, upload.file, max_bytes)
+        except FileTooLarge as e:
+            raise APIError(400, f"{e}", param="file", code="file_too_large")
+        record = {"id": file_id, "owner": who, "purpose": purpose, "filename": (upload.filename or "upload")[:512],
+                  "bytes": size, "created_at": int(time.time())}
+        try:
+            await db(store.add_file, record)
+        except BaseException:
+            await io(files.delete, file_id)  # no record, no contents
+            raise
+    finally:
+        await form.close()
+    return file_object(record)
+
+def openapi_operations(windows: list[str]) -> dict:
+    """What the routes below accept, for the gateway's /openapi.json (they parse their own requests)."""
+    from services.gateway.openapi import json_body, page_params, query, upload_body
+
+    return {
+        ("post", "/v1/files"): {"summary": "Upload a file", "requestBody": upload_body(list(PURPOSES))},
+        ("get", "/v1/files"): {"summary": "List files", "parameters": [
+            query("purpose", {"type": "string"}), query("order", {"type": "string", "enum": ["asc", "desc"]}), *page_params(10000)]},
+        ("post", "/v1/batches"): {"summary": "Create a batch", "requestBody": json_body({
+            "type": "object", "additionalProperties": False, "required": ["input_file_id", "endpoint", "completion_window"],
+            "properties": {"input_file_id": {"type": "string", "minLength": 1}, "endpoint": {"type": "string", "enum": list(ENDPOINTS)},
+                           "completion_window": {"type": "string", "enum": windows},
+                           "metadata": {"type": ["object", "null"], "maxProperties": 16, "propertyNames": {"maxLength": 64},
+                                        "additionalProperties": {"type": "string", "maxLength": 512}}}})},
+        ("get", "/v1/batches"): {"summary": "List batches", "parameters": page_params(100)},
+    }
+
+
 def file_object(f: dict) -> dict:
     return {"id": f["id"], "object": "file", "bytes": f["bytes"], "created_at": f["created_at"], "filename": f["filename"],
             "purpose": f["purpose"], "status": "processed", "expires_at": None, "status_details": None}
@@ -47,6 +96,13 @@ def batch_object(b: dict) -> dict:
 def page(objects: list[dict], has_more: bool) -> dict:
     return {"object": "list", "data": objects, "first_id": objects[0]["id"] if objects else None,
             "last_id": objects[-1]["id"] if objects else None, "has_more": has_more}
+
+
+def only_query(request: Request, *names: str) -> None:
+    """Unknown query parameters are refused, like unknown body fields (a misspelt `limit` is not silently ignored)."""
+    for name in request.query_params:
+        if name not in names:
+            raise bad_request(f"unsupported query parameter '{name}'; this route takes {', '.join(names)}", param=name)
 
 
 def int_param(request: Request, name: str, default: int, low: int, high: int) -> int:
@@ -79,37 +135,12 @@ def build_router(service) -> APIRouter:
     # ---- files -----------------------------------------------------------------------------------
     @router.post("/v1/files")
     async def upload(request: Request):
-        who = owner(request)
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > cfg.max_file_bytes + (1 << 16):
-            raise APIError(400, f"the upload is {declared} bytes; files are limited to {cfg.max_file_bytes} bytes",
-                           param="file", code="file_too_large")
-        form = await request.form(max_files=1, max_fields=8)
-        try:
-            upload, purpose = form.get("file"), form.get("purpose")
-            if purpose not in PURPOSES:
-                raise bad_request(f"purpose must be one of {', '.join(PURPOSES)}", param="purpose")
-            if not isinstance(upload, UploadFile):
-                raise bad_request("a multipart field 'file' with the file's contents is required", param="file")
-            file_id = new_id("file-")
-            try:
-                size = await db(files.save, file_id, upload.file, cfg.max_file_bytes)
-            except FileTooLarge as e:
-                raise APIError(400, f"{e}", param="file", code="file_too_large")
-            record = {"id": file_id, "owner": who, "purpose": purpose, "filename": (upload.filename or "upload")[:512],
-                      "bytes": size, "created_at": int(time.time())}
-            try:
-                await db(store.add_file, record)
-            except BaseException:
-                await service.io(files.delete, file_id)  # no record, no contents
-                raise
-        finally:
-            await form.close()
-        return file_object(record)
+        return await receive_upload(request, owner(request), PURPOSES, cfg.max_file_bytes, files, store, db, service.io)
 
     @router.get("/v1/files")
     async def list_files(request: Request):
         who = owner(request)
+        only_query(request, "purpose", "order", "after", "limit")
         order = request.query_params.get("order", "desc")
         if order not in ("asc", "desc"):
             raise bad_request("order must be 'asc' or 'desc'", param="order")
@@ -188,6 +219,7 @@ def build_router(service) -> APIRouter:
     @router.get("/v1/batches")
     async def list_batches(request: Request):
         who = owner(request)
+        only_query(request, "after", "limit")
         rows, more = await db(store.list_batches, who, request.query_params.get("after"), int_param(request, "limit", 20, 1, 100))
         return page([batch_object(b) for b in rows], more)
 

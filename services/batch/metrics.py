@@ -7,3 +7,5 @@ from prometheus_client import Counter, Gauge
 in_flight = Gauge("swiftkv_batch_requests_in_flight", "Batch requests being served", ("pool",))
 in_flight_limit = Gauge("swiftkv_batch_in_flight_limit", "Batch requests allowed in flight now (shrinks while live requests wait)", ("pool",))
 finished = Counter("swiftkv_batches_finished", "Batches that reached a final status", ("status",))
+oldest_pending_age = Gauge("swiftkv_batch_oldest_pending_age_seconds",
+                           "Age of the oldest batch line not yet done, over the batches waiting or in progress in the store (0 when none)")

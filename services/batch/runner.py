@@ -77,10 +77,14 @@ class Runner:
         self.wake = asyncio.Event()
 
     async def run(self) -> None:
+        checked = 0.0
         while True:
+            if time.monotonic() - checked >= self.cfg.poll_seconds:
+                checked = time.monotonic()
+                await self.update_backlog()
             try:
                 if len(self.jobs) < self.cfg.max_active_batches and any(p.ready for p in self.gateway.pools.values()):
-                    batch = await self.io(self.store.claim, self.worker, self.cfg.lease_seconds)
+                    batch = await self.io(self.store.claim, self.worker, self.cfg.lease_seconds, list(self.jobs))
                     if batch is not None:
                         self.start_job(batch)
                         continue
@@ -89,6 +93,15 @@ class Runner:
             self.wake.clear()
             with suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), self.cfg.poll_seconds)
+
+    async def update_backlog(self) -> None:
+        """The backlog gauge, from the store: every gateway on one database reports the same age."""
+        try:
+            oldest = await self.io(self.store.oldest_pending)
+        except Exception as e:  # the database is away: keep the last value, try again next poll
+            log.warning("batch runner: reading the backlog: %s", e)
+            return
+        metrics.oldest_pending_age.set(max(0.0, time.time() - oldest) if oldest is not None else 0.0)
 
     def start_job(self, batch: dict) -> None:
         job = Job(self, batch)
@@ -134,6 +147,7 @@ class Job:
 
     async def run(self) -> None:
         r = self.runner
+        keeper = asyncio.create_task(self.keep_lease())
         try:
             lines, errors = await r.io(self.read_input)
             if errors:
@@ -155,6 +169,7 @@ class Job:
                 self.reason = "expired"
             if todo and self.reason is None:
                 await self.work(todo)
+            self.stop.set()  # no line runs from here on; the lease is still renewed until the files are written
             if self.reason == "lost":
                 log.info("batch %s: lease lost; another worker has it", self.id)
                 return
@@ -166,6 +181,9 @@ class Job:
             with suppress(Exception):
                 await r.io(r.store.release, self.id, r.worker)
             await asyncio.sleep(r.cfg.poll_seconds)
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
 
     def read_input(self) -> tuple[list[Line], list[dict]]:
         path = self.runner.files.path(self.batch["input_file_id"])
@@ -174,34 +192,33 @@ class Job:
         return parse_input(path, self.batch["endpoint"], self.runner.cfg.max_lines)
 
     async def work(self, todo: deque[Line]) -> None:
-        keeper = asyncio.create_task(self.keep_lease())
         width = self.runner.cfg.max_in_flight * max(1, len(self.runner.gateway.pools))
         workers = [asyncio.create_task(self.drain(todo)) for _ in range(min(width, len(todo)))]
         try:
             await asyncio.gather(*workers)
         finally:
-            keeper.cancel()
             for task in [*workers, *self.serving]:  # on shutdown, abort the engine requests too
                 task.cancel()
-            await asyncio.gather(keeper, *workers, return_exceptions=True)
+            await asyncio.gather(*workers, return_exceptions=True)
 
     async def keep_lease(self) -> None:
-        """Renew the lease; notice a cancel made through another process, and the completion window."""
+        """Renew the lease for the whole job, winding down and writing the files included (a lapsed lease
+        would let another worker finish the batch from the lines committed so far); while lines run, notice a
+        cancel made through another process, and the end of the completion window."""
         r = self.runner
-        while not self.stop.is_set():
+        period = min(r.cfg.lease_seconds / 3, r.cfg.poll_seconds)
+        while True:
             left = self.batch["expires_at"] - time.time()
-            if left <= 0:
+            if left <= 0 and not self.stop.is_set():
                 self.halt("expired")
-                return
-            with suppress(TimeoutError):
-                # Renewing also reads the status: a cancel made through another gateway shows up within poll_seconds.
-                await asyncio.wait_for(self.stop.wait(), min(r.cfg.lease_seconds / 3, r.cfg.poll_seconds, left))
-            if self.stop.is_set():
-                return
+            await asyncio.sleep(min(period, left) if left > 0 else period)
             try:
+                # Renewing also reads the status: a cancel made through another gateway shows up within poll_seconds.
                 row = await r.io(r.store.renew, self.id, r.worker, r.cfg.lease_seconds)
             except Exception as e:  # the database is away: keep working, try again next tick
                 log.warning("batch %s: renewing the lease: %s", self.id, e)
+                continue
+            if self.stop.is_set():
                 continue
             if row is None:
                 self.halt("lost")

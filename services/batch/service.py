@@ -8,7 +8,7 @@ from pathlib import Path
 
 from services.serving.config import PlatformConfig
 
-from .api import build_router
+from .api import build_router, openapi_operations
 from .files import FileStore
 from .runner import Runner
 from .store import BatchStore
@@ -32,6 +32,7 @@ class BatchService:
         self.gateway = gateway
         self.runner = Runner(self.store, self.files, gateway, self.cfg, self.io)
         self.router = build_router(self)
+        self.openapi_operations = openapi_operations(list(self.cfg.completion_windows))
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self.runner.run())

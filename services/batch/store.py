@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 from sqlalchemy import (JSON, BigInteger, Boolean, Column, Float, Integer, MetaData, String, Table, Text, and_, create_engine, event,
                         func, insert, or_, select, text, update)
@@ -166,12 +166,13 @@ class BatchStore:
         return self.get_batch(owner, batch_id)
 
     # ---- the runner's side -----------------------------------------------------------------------
-    def claim(self, worker: str, lease_seconds: float) -> dict | None:
-        """Take the lease of one active batch nobody holds (or whose holder stopped renewing)."""
+    def claim(self, worker: str, lease_seconds: float, running: Collection[str] = ()) -> dict | None:
+        """Take the lease of one active batch nobody holds (or whose holder stopped renewing), other than
+        the `running` ones (this worker's own: a lease it was late to renew is still its job's)."""
         now = time.time()
         free = or_(batches.c.lease_until.is_(None), batches.c.lease_until < now)
         with self.engine.begin() as conn:
-            row = conn.execute(select(batches.c.id).where(batches.c.status.in_(ACTIVE), free)
+            row = conn.execute(select(batches.c.id).where(batches.c.status.in_(ACTIVE), free, batches.c.id.notin_(list(running)))
                                .order_by(batches.c.id).limit(1).with_for_update(skip_locked=True)).first()
             if row is None:
                 return None
@@ -198,6 +199,12 @@ class BatchStore:
         with self.engine.begin() as conn:
             return conn.execute(update(batches).where(batches.c.id == batch_id, batches.c.lease_owner == worker)
                                 .values(**values)).rowcount == 1
+
+    def oldest_pending(self) -> int | None:
+        """created_at of the oldest batch whose lines are still to be run (validating or in progress)."""
+        with self.engine.connect() as conn:
+            return conn.execute(select(func.min(batches.c.created_at))
+                                .where(batches.c.status.in_(("validating", "in_progress")))).scalar()
 
     def done_lines(self, batch_id: str) -> set[int]:
         with self.engine.connect() as conn:
