@@ -266,8 +266,9 @@ def test_values_of_the_wrong_type_and_refused_fields_are_400(server):
     h = {"Authorization": f"Bearer {KEY}"}
     ok = {"model": PUBLIC, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for field, value in [("max_tokens", "16"), ("stream", "true"), ("n", True), ("temperature", "0.5"), ("seed", 1.5),
-                         ("logprobs", 1), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                         ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10})]:
+                         ("logprobs", 1), ("tools", {"type": "function", "function": {"name": "f"}}),
+                         ("response_format", "json_object"), ("logit_bias", [5]), ("top_k", 1.0), ("priority", "1"),
+                         ("functions", [{"name": "f"}])]:
         r = httpx.post(f"{server}/v1/chat/completions", json={**ok, field: value}, headers=h)
         assert r.status_code == 400, (field, value, r.text)
         assert r.json()["error"]["param"] == field and r.json()["error"]["type"] == "invalid_request_error"
@@ -328,7 +329,7 @@ def test_malformed_json_and_oversized_body(server):
     assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
     big = b'{"model": "tiny", "prompt": "' + b"a" * 300_000 + b'"}'
     r = httpx.post(f"{server}/v1/completions", content=big, headers=h)
-    assert r.status_code == 400 and "200000 bytes" in r.json()["error"]["message"]
+    assert r.status_code == 413 and "200000 bytes" in r.json()["error"]["message"]
     r = httpx.get(f"{server}/v1/nothing-here", headers=h)
     assert r.status_code == 404 and "error" in r.json()
 

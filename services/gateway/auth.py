@@ -131,6 +131,12 @@ class RateLimiter:
         for kind, bucket in buckets.items():
             bucket.level -= min(need[kind], bucket.capacity)
 
+    def charge(self, identity: str, output_tokens: int) -> None:
+        """Take an output reservation again without a limit check (a request admitted once and retried)."""
+        bucket = self.buckets.get(identity, {}).get("output_tokens")
+        if bucket is not None:
+            bucket.level -= min(output_tokens, bucket.capacity)
+
     def settle(self, identity: str, reserved_output: int, actual_output: int) -> None:
         """Charge what was generated: the unused reservation comes back, an overage (a request without
         max_tokens that ran past its estimate) is taken too, and may leave the bucket below zero so the
@@ -139,3 +145,129 @@ class RateLimiter:
         if bucket is not None:
             taken = min(reserved_output, bucket.capacity)  # what acquire() took
             bucket.level = min(bucket.capacity, bucket.level + taken - actual_output)
+
+
+# Refill every bucket of a key from Redis' own clock, then (take) refuse with the longest wait or take all
+# amounts at once, or (adjust) add signed amounts; one script, so concurrent gateways never interleave.
+# KEYS: the key's buckets; ARGV: mode, count, then capacity and amount per bucket. -> {index of the bucket
+# that refused (1-based, 0 if none), its wait in seconds as a string}.
+_BUCKETS_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local n = tonumber(ARGV[2])
+local levels = {}
+local worst, worst_i = 0, 0
+for i = 1, n do
+  local cap = tonumber(ARGV[1 + 2 * i])
+  local amt = tonumber(ARGV[2 + 2 * i])
+  local v = redis.call('HMGET', KEYS[i], 'level', 'stamp')
+  local level = tonumber(v[1]) or cap
+  local stamp = tonumber(v[2]) or now
+  level = math.min(cap, level + math.max(0, now - stamp) * cap / 60.0)
+  levels[i] = level
+  if ARGV[1] == 'take' then
+    local missing = math.min(amt, cap) - level
+    if missing > 0 and missing * 60.0 / cap > worst then
+      worst, worst_i = missing * 60.0 / cap, i
+    end
+  end
+end
+if worst > 0 then return {worst_i, tostring(worst)} end
+for i = 1, n do
+  local cap = tonumber(ARGV[1 + 2 * i])
+  local amt = tonumber(ARGV[2 + 2 * i])
+  local level
+  if ARGV[1] == 'take' then level = levels[i] - math.min(amt, cap) else level = math.min(cap, levels[i] + amt) end
+  redis.call('HSET', KEYS[i], 'level', tostring(level), 'stamp', tostring(now))
+  redis.call('EXPIRE', KEYS[i], 120)
+end
+return {0, '0'}
+"""
+
+
+class RedisRateLimiter(RateLimiter):
+    """The same per-key buckets kept in Redis, so every gateway process sharing `redis_url` enforces one
+    limit. If Redis cannot be reached the gateway keeps serving on its own in-process buckets (the base
+    class) and says so in `swiftkv_rate_limits_shared` (0); Redis is tried again every `retry_seconds`."""
+
+    PREFIX = "swiftkv:ratelimit:"
+
+    def __init__(self, redis_url: str, *args, retry_seconds: float = 5.0, **kwargs):
+        import redis
+
+        super().__init__(*args, **kwargs)
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # No retries inside a call (they would hold the event loop): a failed call falls back at once and
+        # Redis is tried again after retry_seconds.
+        self.redis = redis.Redis.from_url(redis_url, socket_connect_timeout=0.25, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+        self.script = self.redis.register_script(_BUCKETS_LUA)
+        self.retry_seconds = retry_seconds
+        self.down_since: float | None = None
+        from . import metrics
+
+        self.metric = metrics.rate_limits_shared
+        self.metric.set(1)
+
+    def _shared(self) -> bool:
+        return self.down_since is None or time.monotonic() - self.down_since >= self.retry_seconds
+
+    def _run(self, identity: str, mode: str, amounts: dict[str, float]):
+        """The script on this key's buckets -> its answer, or None when Redis is unreachable (now local)."""
+        import redis
+
+        limits = {k: v for k, v in self.limits(identity).items() if v}
+        kinds = [k for k in limits if k in amounts]
+        if not kinds:
+            return [0, "0"]
+        args = [mode, len(kinds)]
+        for k in kinds:
+            args += [limits[k], amounts[k]]
+        try:
+            out = self.script(keys=[f"{self.PREFIX}{identity}:{k}" for k in kinds], args=args)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            if self.down_since is None:
+                import logging
+
+                logging.getLogger("swiftkv.gateway").warning("rate limits: Redis unreachable (%s); using this process's own limits", e)
+            self.down_since = time.monotonic()
+            self.metric.set(0)
+            return None
+        if self.down_since is not None:
+            import logging
+
+            logging.getLogger("swiftkv.gateway").info("rate limits: Redis reachable again; limits shared")
+        self.down_since = None
+        self.metric.set(1)
+        return int(out[0]), float(out[1]), kinds
+
+    def acquire(self, identity: str, prompt_tokens: int, output_tokens: int) -> None:
+        if not self._shared():
+            return super().acquire(identity, prompt_tokens, output_tokens)
+        res = self._run(identity, "take", {"requests": 1, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens})
+        if res is None:
+            return super().acquire(identity, prompt_tokens, output_tokens)
+        if res[0] == 0:
+            return
+        refused, wait, kinds = res
+        kind = kinds[refused - 1]
+        retry = max(1, math.ceil(wait))
+        raise APIError(429, f"rate limit reached for {kind.replace('_', ' ')} per minute "
+                            f"(limit {self.limits(identity)[kind]:g}); retry after {retry}s",
+                       "requests" if kind == "requests" else "tokens", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(retry)})
+
+    def settle(self, identity: str, reserved_output: int, actual_output: int) -> None:
+        cap = self.limits(identity).get("output_tokens")
+        if not cap:
+            return
+        if not self._shared() or self._run(identity, "adjust", {"output_tokens": min(reserved_output, cap) - actual_output}) is None:
+            super().settle(identity, reserved_output, actual_output)
+
+    def charge(self, identity: str, output_tokens: int) -> None:
+        cap = self.limits(identity).get("output_tokens")
+        if not cap:
+            return
+        if not self._shared() or self._run(identity, "adjust", {"output_tokens": -min(output_tokens, cap)}) is None:
+            super().charge(identity, output_tokens)

@@ -8,9 +8,11 @@ bypasses routing. Every response carries `x-swiftkv-route: pool=...; reason=...;
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import logging
+import math
 import secrets
 import time
 from contextlib import AbstractAsyncContextManager, aclosing, nullcontext
@@ -24,12 +26,13 @@ from services.serving.backend import (Backend, BackendDown, BackendError, BadReq
 from services.serving.config import PlatformConfig
 
 from . import metrics
-from .auth import KeyStore, RateLimiter
+from .auth import KeyStore, RateLimiter, RedisRateLimiter
 from .errors import APIError, bad_request, error_body, sse_error
 from .prompts import Prompter, max_model_len
 from .render import ChatRender, Choice, CompletionRender, sse_event, usage_dict
 from .routing import Ewma, NoPoolAvailable, PoolState, RoutePolicy
 from .schemas import ChatCompletionRequest, CompletionRequest, parse
+from .tools import ToolCalls, parser_class
 
 log = logging.getLogger("swiftkv.gateway")
 
@@ -37,6 +40,10 @@ REJECTION_REASONS = {
     "invalid_api_key": "auth",
     "rate_limit_exceeded": "rate_limit",
     "request_too_large": "body_too_large",
+    "request_timeout": "body_timeout",
+    "array_above_max_length": "bounds",
+    "string_above_max_length": "bounds",
+    "integer_above_max_value": "bounds",
     "context_length_exceeded": "prompt_too_long",
     "model_not_found": "unknown_model",
     "unavailable": "unavailable",
@@ -62,10 +69,16 @@ class Gateway:
         self.max_model_len = min(lens) if lens else None
         self.max_prompt_tokens = cfg.limits.max_prompt_tokens or (self.max_model_len - 1 if self.max_model_len else None)
         self.policy = RoutePolicy(cfg.routing)
-        self.limiter = RateLimiter(cfg.limits.requests_per_minute, cfg.limits.prompt_tokens_per_minute,
-                                   cfg.limits.output_tokens_per_minute, keys.digests)
+        limits = (cfg.limits.requests_per_minute, cfg.limits.prompt_tokens_per_minute, cfg.limits.output_tokens_per_minute, keys.digests)
+        self.limiter = RedisRateLimiter(cfg.redis_url, *limits) if cfg.redis_url else RateLimiter(*limits)
         self.output_estimate = Ewma(float(cfg.routing.default_output_estimate))
         self.created = int(time.time())
+        # A pool that is down is checked again within a health period: when to try again after a 503.
+        self.retry_after = {"Retry-After": str(max(1, math.ceil(cfg.health.period_seconds)))}
+        self.tool_parsers = {name: cfg.pools[name].tool_call_parser for name in self.pools}
+        for name, parser in self.tool_parsers.items():
+            if parser is not None:
+                parser_class(parser)  # an unknown name fails at start, not on the first request with tools
         self.live_waiting = {name: 0 for name in self.pools}  # live requests without their first token (batch work yields to them)
         self._tasks: list[asyncio.Task] = []
         self.started = False  # the first start of every pool has been tried
@@ -81,6 +94,8 @@ class Gateway:
             try:
                 await pool.backend.start()
                 self._set_ready(pool, True)
+            except BackendDown as e:  # not up yet (e.g. a Ray Serve application still deploying): the watcher retries
+                log.warning("%s; the pool joins routing once its health check passes", e)
             except Exception:
                 log.exception("pool %s failed to start; the other pool serves its traffic until it recovers", pool.name)
         # Everything loaded so far (torch, transformers, engines: ~10^6 objects) lives as long as the process.
@@ -150,15 +165,30 @@ class Gateway:
 
     # ---- request preparation ---------------------------------------------------------------------
     async def read_json(self, request: Request) -> object:
-        limit = self.cfg.limits.max_body_bytes
+        """The body as JSON: more than limits.max_body_bytes is a 413 (refused from Content-Length before
+        reading when declared), a body still arriving after limits.body_timeout_seconds a 408; both close
+        the connection (the rest of the body is never read)."""
+        limits = self.cfg.limits
+        limit = limits.max_body_bytes
+        close = {"Connection": "close"}
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
-            raise APIError(400, f"request body is {declared} bytes; the limit is {limit} bytes", code="request_too_large")
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise APIError(400, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            raise APIError(413, f"request body is {declared} bytes; the limit is {limit} bytes (limits.max_body_bytes)",
+                           code="request_too_large", headers=close)
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(limits.body_timeout_seconds):
+                async for chunk in request.stream():
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > limit:
+                        raise APIError(413, f"request body exceeds the limit of {limit} bytes (limits.max_body_bytes)",
+                                       code="request_too_large", headers=close)
+        except TimeoutError:
+            raise APIError(408, f"request body not received within {limits.body_timeout_seconds:g} s "
+                                f"(limits.body_timeout_seconds)", code="request_timeout", headers=close) from None
+        body = b"".join(chunks)
         try:
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
@@ -244,6 +274,42 @@ class Gateway:
             if reserved is not None:  # charge what was generated, beyond the reservation too
                 self.limiter.settle(identity, reserved, generated)
 
+    async def retried(self, decision, model: str, request: GenerateRequest, t0: float, identity: str,
+                      reserved: int | None, estimate_output: bool, source: str = "live") -> AsyncIterator[Output]:
+        """`tracked` on the decided pool; if that pool goes down (BackendDown) before any token went out,
+        the request is tried once more on another ready pool (not for a pinned pool). The first attempt's
+        reservation was settled at 0 by `tracked`, so the retry is charged again (without a 429 check:
+        the request was already admitted)."""
+        sent = False
+        try:
+            async with aclosing(self.tracked(self.pools[decision.pool], model, request, t0, identity, reserved,
+                                             estimate_output, source)) as stream:
+                async for out in stream:
+                    if any(c.num_tokens or c.text for c in out.choices):
+                        sent = True
+                    yield out
+            return
+        except BackendDown as e:
+            if sent or decision.reason == "pinned":
+                raise
+            first_error = e
+        try:
+            again = self.policy.decide(len(request.prompt_token_ids), request.sampling.max_tokens, self.pools)
+        except NoPoolAvailable:
+            raise first_error from None
+        if again.pool == decision.pool:
+            raise first_error
+        log.warning("pool %s failed before the first token of %s; retrying on pool %s", decision.pool,
+                    request.request_id, again.pool)
+        metrics.retries.labels(decision.pool, again.pool).inc()
+        if reserved is not None:
+            self.limiter.charge(identity, reserved)
+        retry = dataclasses.replace(request, request_id=f"{request.request_id}-r")
+        async with aclosing(self.tracked(self.pools[again.pool], model, retry, t0, identity, reserved,
+                                         estimate_output, source)) as stream:
+            async for out in stream:
+                yield out
+
     async def prepare(self, request: Request, kind: str):
         """Everything before dispatch; raises APIError for any refusal."""
         identity = self.keys.identify(request.headers.get("authorization"))
@@ -252,20 +318,40 @@ class Gateway:
 
     def prepare_body(self, data: object, kind: str, identity: str, charge: bool = True):
         """A parsed body -> what dispatch needs; `charge=False` leaves the per-minute limits alone."""
+        tools = None
         if kind == "chat":
             req = parse(ChatCompletionRequest, data)
+            self.check_bounds(req)
             logprobs = req.logprobs_k()
             pinned = self.resolve_model(req.model)
+            if req.tool_mode() is not None:
+                tools = self.tool_calls(req, pinned)
             prompt_ids = self.prompter.chat(req)
+            role = "assistant" if req.add_generation_prompt else req.messages[-1].role
+            echo = req.messages[-1].text() if req.echo and req.messages[-1].role == role else ""
         else:
             req = parse(CompletionRequest, data)
-            if req.echo or req.suffix is not None:
-                raise bad_request("echo and suffix are not supported", param="echo" if req.echo else "suffix")
+            self.check_bounds(req)
+            if req.suffix is not None:
+                raise bad_request("suffix is not supported (no model served here is trained for fill-in-the-middle)", param="suffix")
+            if req.echo and req.logprobs is not None:
+                raise bad_request("echo with logprobs needs the prompt's logprobs, which the engines here do not give "
+                                  "(SwiftKV skips the later layers for prompt tokens)", param="echo")
             logprobs = req.logprobs_k()
             pinned = self.resolve_model(req.model)
             prompt_ids = self.prompter.completion(req)
+            echo = ""
+            if req.echo:
+                prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list)) else req.prompt
+                echo = prompt if isinstance(prompt, str) else self.prompter.decode(prompt)
+        self.check_token_ids(req)
+        structured, structured_param = req.structured()
+        if tools is not None and tools.structured is not None:
+            structured, structured_param = tools.structured, "tools"
         requested = req.output_limit()
         max_tokens = self.output_tokens(len(prompt_ids), requested, "messages" if kind == "chat" else "prompt")
+        if req.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
         expected = requested or max(1, min(max_tokens, round(self.output_estimate.value)))
         reserved = expected * req.n if charge else None  # None: not charged to the key's limits
         if reserved is not None:
@@ -275,28 +361,73 @@ class Gateway:
         except NoPoolAvailable as e:
             if reserved is not None:
                 self.limiter.settle(identity, reserved, 0)
-            raise APIError(503, f"{e}; try again shortly", "server_error", code="unavailable")
+            raise APIError(503, f"{e}; try again shortly", "server_error", code="unavailable", headers=self.retry_after)
         sampling = SamplingOptions(
             max_tokens=max_tokens, n=req.n, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
             stop=req.stops(), logprobs=logprobs, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, ignore_eos=req.ignore_eos,
+            frequency_penalty=req.frequency_penalty, ignore_eos=req.ignore_eos, top_k=req.top_k, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, stop_token_ids=list(req.stop_token_ids or []),
+            skip_special_tokens=req.skip_special_tokens if tools is None or tools.skip_special_tokens is None else tools.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias_ids(), structured=structured,
         )
-        return identity, req, GenerateRequest(secrets.token_hex(12), prompt_ids, sampling), decision, reserved, requested is None
+        gen = GenerateRequest(secrets.token_hex(12), prompt_ids, sampling, priority=req.priority)
+        render = ChatRender if kind == "chat" else CompletionRender
+        r = render(gen.request_id, req.model, int(time.time()), req.n, logprobs is not None, tools, echo)
+        r.structured_param = structured_param  # the field an engine's refusal of the constraint is about
+        return identity, req, gen, decision, reserved, requested is None, r
+
+    def tool_calls(self, req: ChatCompletionRequest, pinned: str | None) -> ToolCalls:
+        """The request's tools with the parser of the pool(s) it may go to (every one must have the same)."""
+        parsers = {self.tool_parsers[name] for name in ([pinned] if pinned else self.pools)}
+        parser = parsers.pop() if len(parsers) == 1 else None
+        if parser is None and req.tool_mode() == "auto" and len(parsers) > 0:
+            raise bad_request(f"the pools behind {req.model!r} use different tool-call parsers; send the request to one "
+                              "pool's own model name", param="model")
+        return ToolCalls(req, parser, self.prompter.tokenizer)
+
+    def check_bounds(self, req) -> None:
+        """The configurable bounds (config `limits`) on what a parsed request holds: a 400 naming the field,
+        the value and the limit, with OpenAI's codes for them."""
+        lim = self.cfg.limits
+
+        def too_many(param: str, have: int, limit: int, what: str, setting: str) -> None:
+            if have > limit:
+                raise APIError(400, f"{param} has {have} {what}; the limit is {limit} (limits.{setting})",
+                               param=param, code="array_above_max_length")
+
+        too_many("messages", len(getattr(req, "messages", None) or ()), lim.max_messages, "messages", "max_messages")
+        too_many("tools", len(getattr(req, "tools", None) or ()), lim.max_tools, "tools", "max_tools")
+        too_many("logit_bias", len(getattr(req, "logit_bias", None) or {}), lim.max_logit_bias, "entries", "max_logit_bias")
+        if hasattr(req, "stop"):
+            stops = req.stops()
+            too_many("stop", len(stops), lim.max_stop_sequences, "sequences", "max_stop_sequences")
+            for i, s in enumerate(stops):
+                if len(s) > lim.max_stop_chars:
+                    raise APIError(400, f"stop sequence {i} has {len(s)} characters; the limit is {lim.max_stop_chars} "
+                                        "(limits.max_stop_chars)", param="stop", code="string_above_max_length")
+        n = getattr(req, "n", 1)
+        if n > lim.max_n:
+            raise APIError(400, f"n is {n}; the limit is {lim.max_n} (limits.max_n)", param="n", code="integer_above_max_value")
+
+    def check_token_ids(self, req) -> None:
+        """Token ids in stop_token_ids and logit_bias must be in the vocabulary (the engine fails on others)."""
+        vocab = self.prompter.vocab_size
+        for param, ids in (("stop_token_ids", req.stop_token_ids or []), ("logit_bias", [int(k) for k in req.logit_bias or {}])):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise bad_request(f"{param}: token id {bad[0]} is not in the vocabulary [0, {vocab})", param=param)
 
     async def handle(self, request: Request, kind: str) -> Response:
         t0 = time.perf_counter()
         try:
-            identity, req, gen, decision, reserved, estimate = await self.prepare(request, kind)
+            identity, req, gen, decision, reserved, estimate, r = await self.prepare(request, kind)
         except APIError as e:
             metrics.rejections.labels(REJECTION_REASONS.get(e.code or "", "invalid_request"), "live").inc()
             return e.response()
         metrics.route_decisions.labels(decision.pool, decision.reason, "live").inc()
         metrics.for_pool(decision.pool, req.model).overhead.observe(time.perf_counter() - t0)
-        pool = self.pools[decision.pool]
-        stream = self.tracked(pool, req.model, gen, t0, identity, reserved, estimate)
+        stream = self.retried(decision, req.model, gen, t0, identity, reserved, estimate)
         headers = {"x-swiftkv-route": decision.header(), "x-request-id": gen.request_id}
-        render = ChatRender if kind == "chat" else CompletionRender
-        r = render(gen.request_id, req.model, int(time.time()), req.n, gen.sampling.logprobs is not None)
         if req.stream:
             # The status line goes out with the first byte: wait for the first output (or the error), so a
             # request the engine refuses gets its real 4xx/5xx instead of a 200 with an error event.
@@ -306,11 +437,11 @@ class Gateway:
                 return Response(status_code=499)
             except (BackendError, BadRequest) as e:
                 await stream.aclose()
-                status, body = failure(e)
-                return JSONResponse(body, status_code=status, headers=headers)
-            return StreamingResponse(self.sse(stream, first, r, len(gen.prompt_token_ids), req.include_usage),
+                status, body = failure(e, r.structured_param)
+                return JSONResponse(body, status_code=status, headers=headers | (self.retry_after if status == 503 else {}))
+            return StreamingResponse(self.sse(stream, first, r, len(gen.prompt_token_ids), req.include_usage, req.continuous_usage),
                                      media_type="text/event-stream", headers=headers)
-        return await self.complete(request, stream, r, len(gen.prompt_token_ids), headers)
+        return await self.complete(request, stream, r, len(gen.prompt_token_ids), headers, r.structured_param)
 
     async def first_outputs(self, request: Request, stream: AsyncIterator[Output]) -> list[Output]:
         """The stream's outputs up to the first with content (all of them if it ends first); the engine's
@@ -333,7 +464,7 @@ class Gateway:
         the engine priority given, not charged to per-minute limits. `slot(pool)` is entered once the pool
         is chosen and held while the engine works (the caller's bound on its own requests per pool)."""
         try:
-            _, req, gen, decision, reserved, estimate = self.prepare_body(data, kind, identity, charge=False)
+            _, req, gen, decision, reserved, estimate, r = self.prepare_body(data, kind, identity, charge=False)
             if req.stream:
                 raise bad_request("stream is not supported here", param="stream")
         except APIError as e:
@@ -342,12 +473,10 @@ class Gateway:
         gen.priority = priority
         async with slot(decision.pool) if slot is not None else nullcontext():
             metrics.route_decisions.labels(decision.pool, decision.reason, source).inc()
-            stream = self.tracked(self.pools[decision.pool], req.model, gen, time.perf_counter(), identity, reserved, estimate, source)
-            render = ChatRender if kind == "chat" else CompletionRender
-            r = render(gen.request_id, req.model, int(time.time()), req.n, gen.sampling.logprobs is not None)
-            return await self.collect(stream, r, len(gen.prompt_token_ids))
+            stream = self.retried(decision, req.model, gen, time.perf_counter(), identity, reserved, estimate, source)
+            return await self.collect(stream, r, len(gen.prompt_token_ids), r.structured_param)
 
-    async def collect(self, stream: AsyncIterator[Output], r, prompt_tokens: int) -> tuple[int, dict]:
+    async def collect(self, stream: AsyncIterator[Output], r, prompt_tokens: int, structured_param: str | None = None) -> tuple[int, dict]:
         """A whole (non-streamed) answer: (status, OpenAI body)."""
         choices = [Choice() for _ in range(r.n)]
         try:
@@ -361,19 +490,20 @@ class Gateway:
                         if c.logprobs:
                             ch.logprobs.extend(c.logprobs)
         except (BadRequest, BackendError) as e:
-            return failure(e)
+            return failure(e, structured_param)
         completion_tokens = sum(c.tokens for c in choices)
         return 200, r.full(choices, usage_dict(prompt_tokens, completion_tokens))
 
-    async def complete(self, request: Request, stream: AsyncIterator[Output], r, prompt_tokens: int, headers) -> Response:
+    async def complete(self, request: Request, stream: AsyncIterator[Output], r, prompt_tokens: int, headers,
+                       structured_param: str | None = None) -> Response:
         try:
-            status, body = await until_disconnect(request, self.collect(stream, r, prompt_tokens))
+            status, body = await until_disconnect(request, self.collect(stream, r, prompt_tokens, structured_param))
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(body, status_code=status, headers=headers)
+        return JSONResponse(body, status_code=status, headers=headers | (self.retry_after if status == 503 else {}))
 
     async def sse(self, stream: AsyncIterator[Output], first: list[Output], r, prompt_tokens: int,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+                  include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
         """The SSE body after `first_outputs`: errors from here on can only be events in the stream."""
         completion_tokens = 0
 
@@ -386,13 +516,16 @@ class Gateway:
         try:
             async with aclosing(stream):
                 for chunk in r.start():
-                    yield sse_event(chunk, include_usage)
+                    yield sse_event(chunk, include_usage, usage_dict(prompt_tokens, 0) if continuous_usage else None)
                 async for out in outputs():
                     completion_tokens += sum(c.num_tokens for c in out.choices)
-                    yield sse_event(r.chunk(out), include_usage)
+                    chunk = r.chunk(out)
+                    if chunk["choices"]:  # choices whose text is held back (a tool call taking shape) send nothing
+                        yield sse_event(chunk, include_usage, usage_dict(prompt_tokens, completion_tokens) if continuous_usage else None)
         except (BadRequest, BackendError) as e:
             status, body = failure(e)
             yield sse_error(body["error"]["message"], body["error"]["type"], body["error"]["code"])
+            yield b"data: [DONE]\n\n"  # the stream still ends the way clients expect, never left hanging
             return
         if include_usage:
             yield sse_event(r.usage_chunk(usage_dict(prompt_tokens, completion_tokens)), False)
@@ -428,14 +561,21 @@ async def until_disconnect(request: Request, work: Awaitable):
         watcher.cancel()
 
 
-def failure(e: BadRequest | BackendError) -> tuple[int, dict]:
+def failure(e: BadRequest | BackendError, structured_param: str | None = None) -> tuple[int, dict]:
     """A request the engine refused or failed: (status, OpenAI error body). Only a pool that is down is a
-    503 (retry elsewhere or later); one request's failure is a 500."""
+    503 (retry elsewhere or later); one request's failure is a 500. An engine's refusal of a request with
+    structured output that is about its constraint (a schema the backend cannot compile) names that field."""
     if isinstance(e, BadRequest):
-        return 400, error_body(str(e))
+        param = structured_param if structured_param and _about_structured_output(str(e)) else None
+        return 400, error_body(str(e) if param is None else f"{param}: {e}", param=param)
     if isinstance(e, UpstreamError):  # a remote server's own answer, passed on as it came
         return e.status, error_body(e.message, e.type, e.param, e.code)
     log.warning("%s", e)
     if isinstance(e, BackendDown):
         return 503, error_body("the engine failed to serve this request; try again", "server_error", code="unavailable")
     return 500, error_body("the engine failed to serve this request", "server_error")
+
+
+def _about_structured_output(message: str) -> bool:
+    m = message.lower()
+    return any(w in m for w in ("schema", "grammar", "regex", "structured", "json", "xgrammar", "guidance", "outlines", "choice"))

