@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import typer
-from pydantic import ValidationError
+from pydantic import ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from swiftkv_core.cli import fail
@@ -28,6 +29,14 @@ class ServeSettings(BaseSettings):
     ray_metrics_port: int = 8080
     data_dir: Optional[str] = None
     database_url: Optional[str] = None
+    redis_url: Optional[str] = None
+    ray_address: Optional[str] = None
+    workers: Optional[int] = None
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v):  # SWIFTKV_WORKERS= in a pod spec means unset, like the other variables
+        return None if v == "" else v
 
 
 def _check_models(cfg) -> None:
@@ -55,40 +64,65 @@ def _check_machine(cfg, engine: str) -> None:
             fail(str(e))
 
 
-def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str | None = None, ray_metrics_port: int = 8080) -> None:
-    import uvicorn
-
-    from services.gateway.app import Gateway, create_app
-    from services.gateway.auth import KeyStore
-    from services.gateway.prompts import Prompter
-    from services.serving.pools import build_backends
-
+def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str | None = None, ray_metrics_port: int = 8080,
+                 workers: int = 1) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_machine(cfg, engine)
-    try:
-        # The command-line flag wins over SWIFTKV_API_KEYS_FILE, which wins over the config's api_keys_file.
-        keys = KeyStore.from_env(api_keys_file or os.environ.get("SWIFTKV_API_KEYS_FILE") or cfg.api_keys_file)
-    except (OSError, ValueError) as e:
-        fail(f"API keys: {e}")
+    # The command-line flag wins over SWIFTKV_API_KEYS_FILE, which wins over the config's api_keys_file.
+    keys_file = api_keys_file or os.environ.get("SWIFTKV_API_KEYS_FILE") or cfg.api_keys_file
+    _keys(keys_file)
     batch = _batch_service(cfg)  # before any engine or Ray cluster starts: a bad store fails fast
-    # Pools share one tokenizer (a SwiftKV model keeps its base model's); the base model's loads plainly.
-    pool = cfg.pools.get("decode") or next(iter(cfg.pools.values()))
-    prompter = Prompter(pool.tokenizer or pool.model)
+    if workers > 1:
+        batch.store.close()  # each worker opens its own
+        return _run_workers(cfg, engine, log_level, keys_file, ray_metrics_port, workers)
     if engine == "ray":
         from services.serving.ray_backend import start_ray
 
-        start_ray(cfg.ray_address, ray_metrics_port)
+        start_ray(cfg.ray_address, ray_metrics_port, deploy=any(p.backend == "engine" and not p.ray_app for p in cfg.pools.values()))
         typer.echo(f"Ray Serve up; engine metrics at http://127.0.0.1:{ray_metrics_port}/metrics (as ray_vllm_*) and on "
                    "the gateway's /metrics (as vllm:*)" if not cfg.ray_address else "joined Ray cluster")
+    try:
+        _serve(cfg, engine, keys_file, batch, ray_metrics_port if engine == "ray" and not cfg.ray_address else None)
+    finally:
+        if engine == "ray":
+            from services.serving.ray_backend import stop_ray
+
+            stop_ray(started_local_cluster=not cfg.ray_address)
+
+
+def _keys(keys_file: str | None):
+    from services.gateway.auth import KeyStore
+
+    try:
+        return KeyStore.from_env(keys_file)
+    except (OSError, ValueError) as e:
+        fail(f"API keys: {e}")
+
+
+def _serve(cfg, engine: str, keys_file: str | None, batch, ray_metrics_port: int | None, sock=None, worker: int | None = None) -> None:
+    """One gateway process: its pools' backends, the app, uvicorn (on `sock` when a supervisor bound it)."""
+    import uvicorn
+
+    from services.gateway.app import Gateway, create_app
+    from services.gateway.edge import edge_protocol
+    from services.gateway.prompts import Prompter
+    from services.serving.pools import build_backends
+
+    keys = _keys(keys_file)
+    # Pools share one tokenizer (a SwiftKV model keeps its base model's); the base model's loads plainly.
+    pool = cfg.pools.get("decode") or next(iter(cfg.pools.values()))
+    prompter = Prompter(pool.tokenizer or pool.model)
     backends = build_backends(cfg, engine)
     extra_metrics = None
-    if engine == "ray" and not cfg.ray_address:
+    if ray_metrics_port is not None:  # engine metrics of a Ray cluster this command started
         from services.serving.ray_backend import engine_metrics
 
         extra_metrics = lambda: engine_metrics(ray_metrics_port)  # noqa: E731
     key_hint = ' -H "Authorization: Bearer $SWIFTKV_API_KEY"' if keys.enabled else ""
 
     def on_ready() -> None:
+        if worker:  # said once, by worker 0
+            return
         typer.secho(f"SwiftKV is serving {cfg.model} (pools: {', '.join(cfg.pools)}) at http://{cfg.host}:{cfg.port}/v1", fg=typer.colors.GREEN)
         typer.echo("Try:\n  curl -s http://%s:%d/v1/chat/completions -H 'Content-Type: application/json'%s \\\n"
                    "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'"
@@ -96,14 +130,93 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
 
     gateway = Gateway(cfg, backends, prompter, keys, on_ready=on_ready, extra_metrics=extra_metrics)
     batch.attach(gateway)
-    app = create_app(gateway, extensions=[batch])
+    app = create_app(gateway, extensions=[batch], worker_header=worker is not None)
+    # uvicorn drains on SIGTERM, then raises the signal again for the handler it found: an ignoring one
+    # makes a drained shutdown exit 0 (what Kubernetes expects of a pod it stopped), not -15.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    if sock is not None:
+        signal.signal(signal.SIGINT, lambda *_: None)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, http=edge_protocol(cfg.limits),
+                            timeout_graceful_shutdown=cfg.health.shutdown_grace_seconds)
+    server = uvicorn.Server(config)
+    server.run(sockets=None if sock is None else [sock])
+    if not server.started:  # e.g. the port is taken: uvicorn has logged why
+        raise SystemExit(3)
+
+
+def _serve_worker(index: int, sock, cfg_data: dict, engine: str, log_level: str, keys_file: str | None,
+                  ray_metrics_port: int | None) -> None:
+    """A worker process of `--workers N` (started by services.workers.Supervisor)."""
+    from services.serving.config import PlatformConfig
+
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s [worker {index}]: %(message)s")
+    cfg = PlatformConfig.model_validate(cfg_data)
+    if engine == "ray":
+        from services.serving.ray_backend import start_ray
+
+        start_ray(cfg.ray_address, deploy=False)  # the parent deployed the pools; every pool here attaches
+    _serve(cfg, engine, keys_file, _batch_service(cfg), ray_metrics_port, sock=sock, worker=index)
+
+
+def _run_workers(cfg, engine: str, log_level: str, keys_file: str | None, ray_metrics_port: int, workers: int) -> None:
+    """`--workers N`: bind the port, deploy Ray pools once (each worker attaches to them), supervise N gateways."""
+    from services.workers import Supervisor, bind
+
+    log = logging.getLogger("swiftkv.workers")
+    if not cfg.redis_url:
+        log.warning("%d workers without redis_url: per-key rate limits are kept by each worker on its own, so a key can be "
+                    "admitted up to %d times its limit; set redis_url (--redis-url, SWIFTKV_REDIS_URL) to share them", workers, workers)
+    log.info("%d workers on %s:%d; limits.max_concurrent_requests (%s) applies to each", workers, cfg.host, cfg.port,
+             cfg.limits.max_concurrent_requests)
     try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        sock = bind(cfg.host, cfg.port)
+    except OSError as e:
+        fail(f"cannot listen on {cfg.host}:{cfg.port}: {e}")
+    data = cfg.model_dump(mode="json")
+    deployed: list[str] = []
+    local_cluster = engine == "ray" and not cfg.ray_address
+    if engine == "ray":
+        deployed = _deploy_ray_pools(cfg, data, ray_metrics_port)
+    code = 1
+    try:
+        code = Supervisor(_serve_worker, (data, engine, log_level, keys_file, ray_metrics_port if local_cluster else None),
+                          workers, sock, cfg.health.shutdown_grace_seconds).run()
     finally:
         if engine == "ray":
+            from ray import serve
+
             from services.serving.ray_backend import stop_ray
 
-            stop_ray(started_local_cluster=not cfg.ray_address)
+            for app in deployed:
+                try:
+                    serve.delete(app, _blocking=False)
+                except Exception:
+                    pass
+            stop_ray(started_local_cluster=local_cluster)
+    raise typer.Exit(code)
+
+
+def _deploy_ray_pools(cfg, data: dict, ray_metrics_port: int) -> list[str]:
+    """Start or join Ray and deploy each engine pool's Serve application once, from the parent; `data` (the
+    workers' config) then names the cluster and each application, so every worker attaches to the same ones."""
+    import ray
+    from ray import serve
+
+    from services.serving.ray_backend import build_deployment, start_ray
+
+    ours = {name: pool for name, pool in cfg.pools.items() if pool.backend == "engine" and not pool.ray_app}
+    start_ray(cfg.ray_address, ray_metrics_port, deploy=bool(ours))
+    data["ray_address"] = cfg.ray_address or ray.get_runtime_context().gcs_address
+    deployed = []
+    for name, pool in ours.items():
+        app = f"swiftkv-{name}"
+        try:  # returns once the initial replicas passed their constructor (warm-up included)
+            serve.run(build_deployment(name, pool, cfg.served_name(name)), name=app, route_prefix=None)
+        except Exception:
+            logging.getLogger("swiftkv.workers").exception("pool %s: deploying Ray Serve application %s failed", name, app)
+        deployed.append(app)
+        data["pools"][name]["ray_app"] = app
+    return deployed
 
 
 def _batch_service(cfg):
@@ -125,6 +238,10 @@ def serve_command(
     api_keys_file: Annotated[Optional[str], typer.Option(help="API keys file (also SWIFTKV_API_KEYS / SWIFTKV_API_KEYS_FILE)")] = None,
     data_dir: Annotated[Optional[str], typer.Option(help="Batch files and the embedded SQLite database (also SWIFTKV_DATA_DIR)")] = None,
     database_url: Annotated[Optional[str], typer.Option(help="Batch store database, e.g. postgresql://user@host/db (also SWIFTKV_DATABASE_URL)")] = None,
+    redis_url: Annotated[Optional[str], typer.Option(help="Redis for per-key rate limits shared by several gateways, e.g. redis://host:6379/0 (also SWIFTKV_REDIS_URL)")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster (GCS address, e.g. head:6379) to join with --engine ray (also SWIFTKV_RAY_ADDRESS); default: the config's, else a local cluster")] = None,
+    workers: Annotated[Optional[int], typer.Option(min=1, help="Gateway processes on the one port (also SWIFTKV_WORKERS; default: the config's "
+                                                   "workers, 1), for pools on Ray or remote servers, which every worker shares")] = None,
 ) -> None:
     """Run the OpenAI-compatible gateway and its engine pools."""
     from services.serving.config import load_config
@@ -137,14 +254,31 @@ def serve_command(
     if config is not None and not Path(config).exists():
         fail(f"config file {config} does not exist")
     try:
+        # An empty flag or variable (SWIFTKV_DATABASE_URL= in a pod spec) means unset, not "override with nothing".
         cfg = load_config(config, {"host": host or settings.host, "port": port or settings.port,
-                                   "data_dir": data_dir or settings.data_dir, "database_url": database_url or settings.database_url})
+                                   "data_dir": data_dir or settings.data_dir or None,
+                                   "database_url": database_url or settings.database_url or None,
+                                   "redis_url": redis_url or settings.redis_url or None,
+                                   "ray_address": ray_address or settings.ray_address or None,
+                                   "workers": workers or settings.workers or None})
     except (ValidationError, ValueError) as e:
         fail(f"invalid config {config or '(default)'}: {e}")
+    attached = [f"pools.{name}.ray_app" for name, pool in cfg.pools.items() if pool.ray_app]
+    if attached and engine != "ray":
+        fail(f"{', '.join(attached)}: a pool on a Ray Serve application needs --engine ray")
+    if engine == "ray" and (cfg.ray_address or "").startswith("ray://") and any(p.backend == "engine" for p in cfg.pools.values()):
+        fail(f"ray_address {cfg.ray_address}: the gateway streams from Ray Serve deployment handles, which Ray Client (ray://) "
+             "does not support; run the gateway on a node of the cluster and give the GCS address (host:6379, or auto)")
+    inprocess = [f"pools.{name}" for name, pool in cfg.pools.items() if pool.backend == "engine" and engine == "inprocess"]
+    if cfg.workers > 1 and inprocess:
+        fail(f"--workers {cfg.workers} with in-process engines ({', '.join(inprocess)}): each gateway process would load its own "
+             f"copy of every engine ({cfg.workers} times the memory, all competing for the same cores and accelerators). "
+             "Serve those pools with --engine ray (Ray Serve replicas, shared by every worker) or as remote vLLM servers "
+             "(backend: remote, url: ...), or keep one worker")
     if config is None:
         default_models(cfg, prepare=False)
     _check_models(cfg)
-    run_platform(cfg, engine, settings.log_level, api_keys_file or settings.api_keys_file, settings.ray_metrics_port)
+    run_platform(cfg, engine, settings.log_level, api_keys_file or settings.api_keys_file, settings.ray_metrics_port, cfg.workers)
 
 
 def demo_command(

@@ -142,3 +142,15 @@ def test_the_gateway_answers_with_the_servers_status(vllm_server, tiny_base):
         await backends["decode"].stop()
 
     asyncio.run(run())
+
+
+def test_vllms_extensions_reach_the_server(vllm_server):
+    """Sampling extensions and a structured-output constraint go to the remote vLLM with vLLM's meaning."""
+    choice = SamplingOptions(max_tokens=20, structured={"choice": ["yes", "no"]}, seed=1)
+    _, outs, error = generate(vllm_server, GenerateRequest("r-ext1", [5, 6, 7, 8], choice))
+    assert error is None and "".join(c.text for o in outs for c in o.choices) in ("yes", "no")
+    forced = SamplingOptions(max_tokens=6, logit_bias={300: 100.0}, stop_token_ids=[300], min_tokens=3, ignore_eos=True)
+    _, outs, error = generate(vllm_server, GenerateRequest("r-ext2", [5, 6, 7, 8], forced))
+    deltas = [c for o in outs for c in o.choices]
+    # token 300 is forced, but it is a stop token that min_tokens keeps out of the first 3
+    assert error is None and sum(c.num_tokens for c in deltas) == 4 and deltas[-1].finish_reason == "stop"

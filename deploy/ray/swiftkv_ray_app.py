@@ -1,6 +1,6 @@
 """Ray Serve application builder for KubeRay's serveConfigV2 (`import_path: swiftkv_ray_app:build`).
 
-The chart renders one application per pool, `swiftkv-<pool>` (the name the gateway's Ray backend uses),
+The chart renders one application per pool, `swiftkv-<pool>` (the pool's `ray_app` in the gateway's config),
 whose args are the pool's entry of the same platform config `swiftkv serve` reads; the deployment is the
 one `swiftkv serve --engine ray` builds (services.serving.ray_backend.build_deployment). The images put
 this folder on PYTHONPATH.

@@ -24,6 +24,16 @@ class SamplingOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
+    # vLLM's extra sampling parameters, with its meaning and defaults
+    top_k: int = 0  # 0 (or -1): every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    structured: dict | None = None  # vLLM's StructuredOutputsParams fields (json, regex, choice, grammar, json_object, ...)
 
 
 @dataclass
@@ -48,6 +58,7 @@ class ChoiceDelta:
     num_tokens: int
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprob] | None = None
+    token_ids: list[int] | None = None  # the new tokens, when the backend knows them (tool-call parsers may read them)
 
 
 @dataclass

@@ -69,11 +69,17 @@ class PoolConfig(StrictModel):
     engine_args: dict[str, Any] = Field(default_factory=dict, description="vLLM AsyncEngineArgs fields")
     replicas: Replicas = Field(default_factory=Replicas)
     warmup: bool = True
+    ray_app: str | None = Field(None, description="Ray Serve application already running this pool (a KubeRay RayService's): "
+                                "the gateway attaches to it by name instead of deploying its own (--engine ray, with ray_address)")
+    tool_call_parser: str | None = Field(None, description="vLLM tool-call parser for this model's tool-call format "
+                                         "(e.g. hermes); without one, tool_choice auto is refused")
 
     @model_validator(mode="after")
     def _remote_needs_url(self) -> "PoolConfig":
         if self.backend == "remote" and not self.url:
             raise ValueError("a remote pool needs `url`")
+        if self.backend == "remote" and self.ray_app:
+            raise ValueError("`ray_app` is for engine pools on Ray; a remote pool is reached at its `url`")
         return self
 
 
@@ -85,7 +91,24 @@ class RoutingConfig(StrictModel):
 
 
 class LimitsConfig(StrictModel):
-    max_body_bytes: int = Field(1_000_000, ge=1024)
+    """Bounds on what a client controls, checked at the edge: each refusal is a 4xx in OpenAI's envelope that
+    names the field and the limit (README, "Limits at the edge")."""
+
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="request body of the JSON routes; more is a 413")
+    max_header_bytes: int = Field(16_384, ge=1024, description="request line plus headers; more is a 431 and the connection closes")
+    max_messages: int = Field(2048, ge=1, description="messages of a chat request (OpenAI's own bound)")
+    max_stop_sequences: int = Field(4, ge=1, description="stop strings per request (OpenAI's bound)")
+    max_stop_chars: int = Field(256, ge=1, description="characters of one stop string")
+    max_n: int = Field(16, ge=1, description="choices per request (n)")
+    max_logit_bias: int = Field(1024, ge=1, description="logit_bias entries")
+    max_tools: int = Field(128, ge=1, description="tools of a chat request (OpenAI's bound)")
+    max_concurrent_requests: int | None = Field(512, ge=1, description="generation requests one gateway process holds at once "
+                                                "(streams until their last byte); more are a 503 with Retry-After; null: no cap")
+    header_timeout_seconds: float = Field(10.0, gt=0, description="from a connection's (or request's) first byte to the end of "
+                                          "its headers; a client still sending them is disconnected")
+    body_timeout_seconds: float = Field(30.0, gt=0, description="to receive a whole request body; a slower one is a 408")
+    send_timeout_seconds: float = Field(30.0, gt=0, description="a client that reads nothing of its response for this long "
+                                        "is disconnected and its engine request aborted")
     max_prompt_tokens: int | None = Field(None, ge=1, description="default: the smallest max_model_len of the pools")
     requests_per_minute: int | None = Field(None, ge=1)
     prompt_tokens_per_minute: int | None = Field(None, ge=1)
@@ -122,12 +145,16 @@ class HealthConfig(StrictModel):
     period_seconds: float = Field(5.0, gt=0, description="time between health checks of a pool")
     timeout_seconds: float = Field(10.0, gt=0, description="a check that takes longer fails")
     max_backoff_seconds: float = Field(60.0, gt=0, description="longest wait between failed recovery attempts")
+    shutdown_grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM: the listener closes at once (readiness "
+                                          "fails), requests in flight get this long to finish, then batch leases are released")
 
 
 class PlatformConfig(StrictModel):
     model: str = "swiftkv"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    workers: int = Field(1, ge=1, description="gateway processes accepting on the one port (`swiftkv serve --workers`), for pools "
+                         "on Ray or remote servers; per-key limits are shared between them only through redis_url")
     pools: dict[str, PoolConfig]
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
@@ -135,6 +162,8 @@ class PlatformConfig(StrictModel):
     ray_address: str | None = Field(None, description="Ray cluster to join; default: start a local one")
     data_dir: str = Field("~/.local/share/swiftkv", description="batch files and the embedded SQLite database")
     database_url: str | None = Field(None, description="SQLAlchemy URL of the batch store (postgresql://...); default: SQLite in data_dir")
+    redis_url: str | None = Field(None, description="Redis (redis://host:6379/0) holding the per-key rate limits that several "
+                                  "gateway processes share; default: each process keeps its own in memory")
     batch: BatchConfig = Field(default_factory=BatchConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
 
@@ -145,6 +174,9 @@ class PlatformConfig(StrictModel):
         unknown = set(self.pools) - {"prefill", "decode"}
         if unknown:
             raise ValueError(f"pool names must be 'prefill' and/or 'decode', got {sorted(unknown)}")
+        for name, pool in self.pools.items():
+            if pool.ray_app and not self.ray_address:
+                raise ValueError(f"pools.{name}.ray_app attaches to an application on a running Ray cluster: set ray_address")
         names = [self.served_name(p) for p in self.pools] + [self.model]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be distinct: {names}")

@@ -65,7 +65,7 @@ def engine_metrics() -> EngineMetrics:
 
 def to_sampling_params(options: SamplingOptions):
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     return SamplingParams(
         n=options.n,
@@ -78,6 +78,15 @@ def to_sampling_params(options: SamplingOptions):
         presence_penalty=options.presence_penalty,
         frequency_penalty=options.frequency_penalty,
         ignore_eos=options.ignore_eos,
+        top_k=options.top_k,
+        min_p=options.min_p,
+        repetition_penalty=options.repetition_penalty,
+        min_tokens=options.min_tokens,
+        stop_token_ids=options.stop_token_ids or None,
+        skip_special_tokens=options.skip_special_tokens,
+        include_stop_str_in_output=options.include_stop_str_in_output,
+        logit_bias=options.logit_bias or None,
+        structured_outputs=StructuredOutputsParams(**options.structured) if options.structured else None,
         output_kind=RequestOutputKind.DELTA,
     )
 
@@ -138,7 +147,10 @@ class VLLMEngine:
 
         if self.llm is None:
             raise BackendDown(f"pool {self.name}: engine not started")
-        params = to_sampling_params(request.sampling)
+        try:
+            params = to_sampling_params(request.sampling)
+        except ValueError as e:  # vLLM's own checks of the parameters
+            raise BadRequest(str(e)) from e
         prompt = {"prompt_token_ids": request.prompt_token_ids}
         prefilled = False
         try:
@@ -156,7 +168,7 @@ class VLLMEngine:
                     logprobs = None
                     if request.sampling.logprobs is not None and c.logprobs is not None:
                         logprobs = _logprobs(c.token_ids, c.logprobs, request.sampling.logprobs)
-                    choices.append(ChoiceDelta(c.index, c.text, len(c.token_ids), c.finish_reason, logprobs))
+                    choices.append(ChoiceDelta(c.index, c.text, len(c.token_ids), c.finish_reason, logprobs, list(c.token_ids)))
                 yield Output(choices, queue_seconds)
         except VLLMClientError as e:
             raise BadRequest(str(e)) from e

@@ -59,17 +59,40 @@ def build_deployment(pool: str, cfg: PoolConfig, served_model_name: str):
 
 
 class RayBackend:
+    """A pool's Serve application, found by name. Deployed here (`swiftkv serve --engine ray`), or, with the
+    pool's `ray_app`, deployed by someone else (a KubeRay RayService from the chart's serveConfigV2): then the
+    gateway only attaches, and until the application is RUNNING the pool stays down while the gateway's
+    health watcher retries with backoff."""
+
     def __init__(self, name: str, cfg: PoolConfig, served_model_name: str):
         self.name = name
-        self.app_name = f"swiftkv-{name}"
+        self.app_name = cfg.ray_app or f"swiftkv-{name}"
+        self.attached = cfg.ray_app is not None  # never deployed nor deleted from here
         self.cfg = cfg
         self.served_model_name = served_model_name
         self.handle = None
 
     async def start(self) -> None:
-        app = build_deployment(self.name, self.cfg, self.served_model_name)
-        # serve.run returns once the initial replicas passed their constructor (warm-up included).
-        self.handle = await asyncio.to_thread(serve.run, app, name=self.app_name, route_prefix=None)
+        if not self.attached:
+            app = build_deployment(self.name, self.cfg, self.served_model_name)
+            # serve.run returns once the initial replicas passed their constructor (warm-up included).
+            await asyncio.to_thread(serve.run, app, name=self.app_name, route_prefix=None)
+        status = await self._status()
+        if status != "RUNNING":
+            raise BackendDown(f"pool {self.name}: Ray Serve application {self.app_name!r} is {status or 'not deployed'}")
+        self.handle = await asyncio.to_thread(serve.get_app_handle, self.app_name)
+
+    async def _app(self):
+        """The application's status overview, None when Serve or the application is absent."""
+        try:
+            return (await asyncio.to_thread(serve.status)).applications.get(self.app_name)
+        except Exception:  # no Serve instance on the cluster (yet)
+            return None
+
+    async def _status(self) -> str | None:
+        """The application's status (RUNNING, DEPLOYING, ...), None when Serve or the application is absent."""
+        app = await self._app()
+        return None if app is None else _name(app.status)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
         if self.handle is None:
@@ -86,29 +109,60 @@ class RayBackend:
             cause = getattr(e, "cause", None) or e
             if isinstance(cause, BadRequest) or isinstance(e, BadRequest):
                 raise BadRequest(str(cause)) from e
-            raise BackendError(f"pool {self.name}: {type(cause).__name__}: {cause}") from e
+            error = BackendDown if replica_gone(e) else BackendError
+            raise error(f"pool {self.name}: {type(cause).__name__}: {cause}") from e
         finally:
             if not finished:
                 stream.cancel()
 
     async def health(self) -> bool:
-        try:
-            status = await asyncio.to_thread(serve.status)
-            app = status.applications.get(self.app_name)
-            return app is not None and str(app.status).endswith("RUNNING")
-        except Exception:
+        """RUNNING, and (unless the pool may scale to zero) a replica running: while Serve replaces a replica
+        that died, requests sent to the pool only wait in the handle for as long as the new replica's engine
+        takes to start, so the pool is routed around until one runs, whatever status the application reads."""
+        if self.handle is None:
             return False
+        app = await self._app()
+        if app is None or _name(app.status) != "RUNNING":
+            return False
+        if self.cfg.replicas.min == 0:
+            return True
+        return all(sum(n for state, n in d.replica_states.items() if _name(state) == "RUNNING") > 0
+                   for d in app.deployments.values())
 
     async def recover(self) -> None:
-        """Deploy again if the first deployment failed; Serve itself replaces replicas that die."""
+        """Deploy (or attach) again if the first attempt failed; Serve itself replaces replicas that die."""
         if self.handle is None:
             await self.start()
 
     async def stop(self) -> None:
+        if self.attached:
+            return
         try:  # do not wait here: replicas drain on their own, and stop_ray() ends a cluster we started
             await asyncio.wait_for(asyncio.to_thread(serve.delete, self.app_name, _blocking=False), 10)
         except Exception:
             pass
+
+
+def _name(status) -> str:
+    return str(status).rsplit(".", 1)[-1]
+
+
+def replica_gone(e: BaseException) -> bool:
+    """The error says the replica (or its worker, node, or the whole deployment) is gone, not that this one
+    request failed: a dead actor (ActorDiedError, or ActorUnavailableError while Ray cannot tell yet), Serve
+    finding no replica to send to, or an engine that died inside a living replica (its BackendDown), as
+    raised through the handle or wrapped in a RayTaskError."""
+    from ray import exceptions as rx
+    from ray.serve import exceptions as sx
+
+    gone = (rx.RayActorError, rx.WorkerCrashedError, rx.NodeDiedError, rx.LocalRayletDiedError,
+            sx.DeploymentUnavailableError, sx.ReplicaUnavailableError, BackendDown)
+    seen = 0
+    while e is not None and seen < 4:  # a RayTaskError carries the original as `cause`
+        if isinstance(e, gone):
+            return True
+        e, seen = getattr(e, "cause", None) or e.__cause__, seen + 1
+    return False
 
 
 _RAY_LABELS = re.compile(r'(Component|NodeAddress|SessionName|Version|WorkerId|otel_scope_\w+)="[^"]*",?')
@@ -136,8 +190,9 @@ async def engine_metrics(port: int) -> str:
     return "\n".join(out) + "\n" if out else ""
 
 
-def start_ray(address: str | None, metrics_port: int | None = None) -> None:
-    """Join `address` or start a local Ray cluster; Serve without its own HTTP proxy (the gateway is ours)."""
+def start_ray(address: str | None, metrics_port: int | None = None, deploy: bool = True) -> None:
+    """Join `address` or start a local Ray cluster; Serve without its own HTTP proxy (the gateway is ours).
+    deploy=False (every pool attaches to an application deployed by others): Serve is left to them."""
     import ray
 
     if not ray.is_initialized():
@@ -147,7 +202,8 @@ def start_ray(address: str | None, metrics_port: int | None = None) -> None:
         elif metrics_port:
             kwargs["_metrics_export_port"] = metrics_port
         ray.init(**kwargs)
-    serve.start(proxy_location="Disabled")
+    if deploy:
+        serve.start(proxy_location="Disabled")
 
 
 def stop_ray(started_local_cluster: bool) -> None:

@@ -58,6 +58,14 @@ class RemoteBackend:
             body["logprobs"] = s.logprobs
         if s.ignore_eos:
             body["ignore_eos"] = True
+        # vLLM's extensions, sent only when they differ from its defaults (other servers may refuse them)
+        extras = {"top_k": (s.top_k, 0), "min_p": (s.min_p, 0.0), "repetition_penalty": (s.repetition_penalty, 1.0),
+                  "min_tokens": (s.min_tokens, 0), "stop_token_ids": (s.stop_token_ids, []),
+                  "skip_special_tokens": (s.skip_special_tokens, True),
+                  "include_stop_str_in_output": (s.include_stop_str_in_output, False),
+                  "logit_bias": ({str(k): v for k, v in (s.logit_bias or {}).items()}, {}),
+                  "structured_outputs": (s.structured, None)}
+        body.update({k: v for k, (v, default) in extras.items() if v != default})
         body["stream_options"] = {"include_usage": True} | ({"continuous_usage_stats": True} if self.continuous_usage else {})
         counted: dict[int, int] = {}  # tokens per choice passed on so far
         held: Output | None = None  # without per-chunk usage, the latest output waits for the final usage chunk

