@@ -1,0 +1,325 @@
+"""OpenAI's Files and fine-tuning jobs routes, same shapes, so the official `openai` SDK drives the service:
+`client.fine_tuning.jobs.create(model=..., training_file=..., method={"type": "distillation", ...})`.
+
+Every refusal is a 400 naming the field (the SDK raises BadRequestError), decided before anything is
+written, so a refused job leaves no row, no event and no run folder behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from sqlalchemy.exc import OperationalError
+
+from services.batch.api import file_object, int_param, not_found, only_query, page, receive_upload
+from services.batch.store import new_id
+from services.gateway.errors import APIError, bad_request
+from swiftkv_core.distill import DistillConfig
+
+from .metrics import jobs_finished
+
+OWNER = "anonymous"  # the trainer is an internal service: one tenant, like the gateway without API keys
+JOB_FIELDS = {"model", "training_file", "validation_file", "method", "suffix", "seed", "metadata", "hyperparameters", "integrations"}
+_D = {f.name: f.default for f in DistillConfig.__dataclass_fields__.values()}
+# name -> (type, default, check, DistillConfig field); defaults are those of `swiftkv distill`
+HYPERPARAMETERS = {
+    "num_key_value_layers": (int, None, lambda v: v >= 1, "num_key_value_layers"),  # default: half the layers
+    "key_value_group_size": (int, _D["key_value_group_size"], lambda v: v >= 1, "key_value_group_size"),
+    "init": (str, _D["init"], lambda v: v in ("snowflake", "lstsq", "lstsq-qkv"), "init"),
+    "loss": (str, _D["loss"], lambda v: v in ("kl", "lm"), "loss"),
+    "temperature": (float, _D["temperature"], lambda v: 0 < v <= 100, "temperature"),
+    "learning_rate": (float, _D["lr"], lambda v: 0 < v < 1, "lr"),
+    "n_steps": (int, _D["max_steps"], lambda v: 1 <= v <= 1_000_000, "max_steps"),
+    "batch_size": (int, _D["batch_size"], lambda v: 1 <= v <= 4096, "batch_size"),
+    "seq_len": (int, _D["seq_len"], lambda v: 8 <= v <= 131072, "seq_len"),
+    "min_top1_agreement": (float, None, lambda v: 0 <= v <= 1, None),
+}
+RULES = {"init": "'snowflake', 'lstsq' or 'lstsq-qkv'", "loss": "'kl' or 'lm'", "temperature": "a number in (0, 100]",
+         "learning_rate": "a number in (0, 1)", "n_steps": "an integer from 1 to 1000000", "batch_size": "an integer from 1 to 4096",
+         "seq_len": "an integer from 8 to 131072", "min_top1_agreement": "a number from 0 to 1",
+         "num_key_value_layers": "a positive integer", "key_value_group_size": "a positive integer"}
+
+
+def job_object(j: dict) -> dict:
+    hp = j["method"]["distillation"]["hyperparameters"]
+    return {
+        "id": j["id"], "object": "fine_tuning.job", "created_at": j["created_at"], "error": j["error"],
+        "fine_tuned_model": j["fine_tuned_model"], "finished_at": j["finished_at"],
+        "hyperparameters": {"batch_size": hp["batch_size"], "learning_rate_multiplier": None, "n_epochs": None},
+        "model": j["model"], "organization_id": "org-swiftkv", "result_files": j["result_files"] or [], "seed": j["seed"],
+        "status": j["status"], "trained_tokens": j["trained_tokens"], "training_file": j["training_file"],
+        "validation_file": j["validation_file"], "estimated_finish": j["estimated_finish"], "integrations": None,
+        "metadata": j["metadata"], "method": j["method"], "user_provided_suffix": j["suffix"],
+    }
+
+
+def event_object(e: dict) -> dict:
+    return {"id": e["id"], "object": "fine_tuning.job.event", "created_at": e["created_at"], "level": e["level"],
+            "message": e["message"], "type": e["type"], "data": e["data"] or {}}
+
+
+def checkpoint_object(c: dict) -> dict:
+    return {"id": c["id"], "object": "fine_tuning.job.checkpoint", "created_at": c["created_at"],
+            "fine_tuned_model_checkpoint": f"{c['job_id']}:step-{c['step_number']}", "fine_tuning_job_id": c["job_id"],
+            "metrics": c["metrics"] or {}, "step_number": c["step_number"]}
+
+
+def check_records(path: Path, param: str) -> int:
+    """Lines of OpenAI's chat format ({"messages": [...]}) or {"text": ...}; returns how many, else a 400."""
+    n = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise bad_request(f"line {number} of the file is not valid JSON", param=param, code="invalid_file_format")
+            ok = isinstance(rec, dict) and (
+                isinstance(rec.get("text"), str) and rec["text"].strip()
+                or isinstance(rec.get("messages"), list) and rec["messages"] and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in rec["messages"]))
+            if not ok:
+                raise bad_request(f"line {number} of the file is neither {{\"messages\": [{{\"role\", \"content\"}}, ...]}} "
+                                  "nor {\"text\": \"...\"}", param=param, code="invalid_file_format")
+            n += 1
+    if n == 0:
+        raise bad_request("the file is empty: it has no training records", param=param, code="invalid_file_format")
+    return n
+
+
+def resolve_model(name: str, models_dir: Path) -> tuple[Path, dict]:
+    """A name from `swiftkv models list`, a local folder or a hub id -> (folder, config.json); 400 otherwise."""
+    from swiftkv_core import models
+
+    if name in models.fine_tuned(models_dir):
+        raise bad_request(f"{name} is already a SwiftKV model; distill from its base model", param="model", code="model_not_supported")
+    folder = Path(name).expanduser()
+    if name in models.REGISTRY:
+        try:
+            folder = models.prepare(name, models_dir)
+        except Exception as e:
+            raise bad_request(f"model {name} cannot be prepared: {e}", param="model", code="model_not_found")
+    elif not (folder / "config.json").exists():
+        if name.count("/") != 1 or folder.exists():
+            raise bad_request(f"unknown model {name!r}: not a name from `swiftkv models list`, a model folder or a hub id",
+                              param="model", code="model_not_found")
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(name))
+        except Exception as e:
+            raise bad_request(f"unknown model {name!r}: not found on the hub ({type(e).__name__})", param="model", code="model_not_found")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        raise bad_request(f"model {name!r} has no readable config.json", param="model", code="model_not_found")
+    if config.get("model_type") != "llama":
+        raise bad_request(f"model {name!r} has model_type {config.get('model_type')!r}; only base Llama models can be distilled",
+                          param="model", code="model_not_supported")
+    return folder.resolve(), config
+
+
+def parse_method(method, layers: int) -> dict:
+    P = "method.distillation.hyperparameters"
+    if method is None:
+        method = {"type": "distillation"}
+    if not isinstance(method, dict) or method.get("type") != "distillation":
+        raise bad_request("method.type must be 'distillation' (SwiftKV distillation)", param="method.type")
+    for key in method:
+        if key not in ("type", "distillation"):
+            raise bad_request(f"unsupported field 'method.{key}'", param=f"method.{key}")
+    body = method.get("distillation") or {}
+    if not isinstance(body, dict) or any(k != "hyperparameters" for k in body):
+        raise bad_request("method.distillation may hold only 'hyperparameters'", param="method.distillation")
+    given = body.get("hyperparameters") or {}
+    if not isinstance(given, dict):
+        raise bad_request(f"{P} must be an object", param=P)
+    hp = {}
+    for name, value in given.items():
+        if name not in HYPERPARAMETERS:
+            raise bad_request(f"unknown hyperparameter '{name}'; known: {', '.join(HYPERPARAMETERS)}", param=f"{P}.{name}")
+        kind, _, check, _ = HYPERPARAMETERS[name]
+        if value == "auto" or value is None:
+            continue
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool) or not check(value):
+            raise bad_request(f"{name} must be {RULES[name]}, got {value!r}", param=f"{P}.{name}")
+        hp[name] = value
+    for name, (_, default, _, _) in HYPERPARAMETERS.items():
+        hp.setdefault(name, default)
+    if hp["num_key_value_layers"] is None:
+        hp["num_key_value_layers"] = layers // 2
+    l, g = hp["num_key_value_layers"], hp["key_value_group_size"]
+    if not 1 <= l < layers:
+        raise bad_request(f"num_key_value_layers must be from 1 to {layers - 1} for this model ({layers} layers), got {l}",
+                          param=f"{P}.num_key_value_layers")
+    if (layers - l) % g:
+        raise bad_request(f"key_value_group_size {g} does not divide the {layers - l} layers after num_key_value_layers={l}",
+                          param=f"{P}.key_value_group_size")
+    return {"type": "distillation", "distillation": {"hyperparameters": hp}}
+
+
+def build_router(service) -> APIRouter:
+    store, files, settings = service.store, service.files, service.settings
+    router = APIRouter()
+
+    async def db(fn, *args, **kwargs):
+        try:
+            return await service.io(fn, *args, **kwargs)
+        except OperationalError as e:
+            raise APIError(503, f"the job store is unavailable: {type(e.orig).__name__ if e.orig else e}; try again shortly",
+                           "server_error", code="unavailable")
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body() or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise bad_request("the body is not valid JSON")
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object")
+        return body
+
+    # ---- files (the Batch API's store and file store) ---------------------------------------------
+    @router.post("/v1/files")
+    async def upload(request: Request):
+        return await receive_upload(request, OWNER, ("fine-tune", "batch"), settings.max_file_bytes, files, store, db, service.io)
+
+    @router.get("/v1/files/{file_id}")
+    async def get_file(file_id: str):
+        f = await db(store.get_file, OWNER, file_id)
+        if f is None:
+            raise not_found("file", file_id)
+        return file_object(f)
+
+    @router.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str):
+        from starlette.responses import FileResponse
+
+        f = await db(store.get_file, OWNER, file_id)
+        if f is None or not files.path(file_id).exists():
+            raise not_found("file", file_id)
+        return FileResponse(files.path(file_id), media_type="application/octet-stream", filename=f["filename"])
+
+    # ---- jobs ------------------------------------------------------------------------------------
+    async def input_file(file_id, param: str) -> Path:
+        if not isinstance(file_id, str) or not file_id:
+            raise bad_request(f"{param} must be a file id", param=param)
+        f = await db(store.get_file, OWNER, file_id)
+        if f is None or not files.path(file_id).exists():
+            raise bad_request(f"no such file: {file_id}", param=param, code="file_not_found")
+        if f["purpose"] != "fine-tune":
+            raise bad_request(f"{file_id} was uploaded with purpose '{f['purpose']}'; a job needs purpose 'fine-tune'", param=param)
+        await db(check_records, files.path(file_id), param)
+        return files.path(file_id)
+
+    @router.post("/v1/fine_tuning/jobs")
+    async def create_job(request: Request):
+        body = await body_of(request)
+        for name in body:
+            if name not in JOB_FIELDS:
+                raise bad_request(f"unsupported field '{name}'", param=name)
+        if body.get("hyperparameters"):
+            raise bad_request("top-level hyperparameters are not supported; use method.distillation.hyperparameters", param="hyperparameters")
+        if body.get("integrations"):
+            raise bad_request("integrations are not supported", param="integrations")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise bad_request("model is required", param="model")
+        suffix, seed, metadata = body.get("suffix"), body.get("seed"), body.get("metadata")
+        if suffix is not None and not (isinstance(suffix, str) and 1 <= len(suffix) <= 64 and suffix.replace("-", "").replace("_", "").isalnum()):
+            raise bad_request("suffix must be 1 to 64 letters, digits, '-' or '_'", param="suffix")
+        if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= 2**31 - 1):
+            raise bad_request("seed must be an integer from 0 to 2147483647", param="seed")
+        if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+                isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())):
+            raise bad_request("metadata must map at most 16 keys (up to 64 characters) to strings (up to 512)", param="metadata")
+        folder, config = await service.io(resolve_model, model, Path(settings.models_dir))
+        method = parse_method(body.get("method"), int(config["num_hidden_layers"]))
+        train = await input_file(body.get("training_file"), "training_file")
+        valid = await input_file(body["validation_file"], "validation_file") if body.get("validation_file") else None
+        job_id = new_id("ftjob-")
+        record = {"id": job_id, "owner": OWNER, "model": model, "training_file": body["training_file"],
+                  "validation_file": body.get("validation_file"), "method": method, "suffix": suffix,
+                  "seed": seed if seed is not None else 0, "metadata": metadata, "status": "validating_files",
+                  "created_at": int(time.time()), "attempts": 0, "trained_tokens": 0}
+        run_dir = service.worker.run_dir(job_id)
+        try:
+            await service.io(service.prepare_run, run_dir, folder, method, record["seed"], train, valid)
+            await db(store.add_job, record)
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        service.wake.set()
+        return job_object(await db(store.get_job, OWNER, job_id))
+
+    @router.get("/v1/fine_tuning/jobs")
+    async def list_jobs(request: Request):
+        only_query(request, "after", "limit")
+        rows, more = await db(store.list_jobs, OWNER, request.query_params.get("after"), int_param(request, "limit", 20, 1, 100))
+        return page([job_object(j) for j in rows], more)
+
+    async def own_job(job_id: str) -> dict:
+        j = await db(store.get_job, OWNER, job_id)
+        if j is None:
+            raise not_found("fine_tuning_job", job_id)
+        return j
+
+    @router.get("/v1/fine_tuning/jobs/{job_id}")
+    async def get_job(job_id: str):
+        return job_object(await own_job(job_id))
+
+    @router.get("/v1/fine_tuning/jobs/{job_id}/events")
+    async def job_events(request: Request, job_id: str):
+        only_query(request, "after", "limit")
+        await own_job(job_id)
+        rows, more = await db(store.list_events, job_id, request.query_params.get("after"), int_param(request, "limit", 20, 1, 1000))
+        return page([event_object(e) for e in rows], more)
+
+    @router.get("/v1/fine_tuning/jobs/{job_id}/checkpoints")
+    async def job_checkpoints(request: Request, job_id: str):
+        only_query(request, "after", "limit")
+        await own_job(job_id)
+        rows, more = await db(store.list_checkpoints, job_id, request.query_params.get("after"), int_param(request, "limit", 10, 1, 1000))
+        return page([checkpoint_object(c) for c in rows], more)
+
+    @router.post("/v1/fine_tuning/jobs/{job_id}/cancel")
+    async def cancel_job(job_id: str):
+        j = await own_job(job_id)
+        if not await db(store.update_job, job_id, ("validating_files", "queued", "running", "paused"), status="cancelled",
+                        finished_at=int(time.time()), control=None):
+            raise APIError(409, f"a job that is {j['status']} cannot be cancelled", param="job_id", code="job_not_cancellable")
+        jobs_finished.labels("cancelled").inc()
+        await service.io(service.worker.stop, j)
+        await db(store.update_job, job_id, runner_ref=None)
+        await db(store.add_event, job_id, "Fine-tuning job cancelled")
+        return job_object(await own_job(job_id))
+
+    @router.post("/v1/fine_tuning/jobs/{job_id}/pause")
+    async def pause_job(job_id: str):
+        j = await own_job(job_id)
+        if await db(store.update_job, job_id, ("validating_files", "queued"), status="paused"):
+            await db(store.add_event, job_id, "Fine-tuning job paused before it started")
+        elif await db(store.update_job, job_id, ("running",), control="pause"):
+            await db(store.add_event, job_id, "Pause requested: the job stops at its next checkpoint")
+        elif j["status"] != "paused":
+            raise APIError(409, f"a job that is {j['status']} cannot be paused", param="job_id", code="job_not_pausable")
+        return job_object(await own_job(job_id))
+
+    @router.post("/v1/fine_tuning/jobs/{job_id}/resume")
+    async def resume_job(job_id: str):
+        j = await own_job(job_id)
+        if await db(store.update_job, job_id, ("paused",), status="queued", control=None, runner_ref=None):
+            await db(store.add_event, job_id, "Fine-tuning job resumed: queued to continue from its last checkpoint")
+            service.wake.set()
+        elif await db(store.update_job, job_id, ("running",), control=None):
+            pass  # a pause not yet reached is withdrawn
+        else:
+            raise APIError(409, f"a job that is {j['status']} cannot be resumed", param="job_id", code="job_not_resumable")
+        return job_object(await own_job(job_id))
+
+    return router

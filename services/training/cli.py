@@ -1,0 +1,43 @@
+"""`swiftkv trainer serve`: the distillation job service."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+trainer_app = typer.Typer(no_args_is_help=True, help="The distillation job service (OpenAI's fine-tuning jobs API).")
+
+
+@trainer_app.command("serve")
+def trainer_serve_command(
+    host: Annotated[Optional[str], typer.Option(help="Address to listen on (default 0.0.0.0)")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default 8001)")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Store, files and run folders (default data/trainer)")] = None,
+    database_url: Annotated[Optional[str], typer.Option(help="SQLAlchemy URL (PostgreSQL in a cluster); default SQLite in the data dir")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(help="Submit each job to this Ray cluster (job submission API, e.g. http://head:8265)")] = None,
+    models_dir: Annotated[Optional[Path], typer.Option(help="Where finished jobs publish their models (default models)")] = None,
+    checkpoint_every: Annotated[Optional[int], typer.Option(help="Steps between resumable checkpoints (default 50)")] = None,
+    events_every: Annotated[Optional[int], typer.Option(help="Steps between progress events (default 10)")] = None,
+    eval_max_tokens: Annotated[Optional[int], typer.Option(help="Tokens of the final evaluation (0 = none; default 16384)")] = None,
+    eval_prompts: Annotated[Optional[int], typer.Option(help="Short prompts for greedy agreement in the evaluation (default 4)")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads of a job's process")] = None,
+    log_level: Annotated[str, typer.Option(help="Log level")] = "info",
+) -> None:
+    """Serve OpenAI's fine-tuning jobs API; each job distills a SwiftKV model and publishes it for serving."""
+    from .service import TrainerSettings, serve
+
+    given = {"host": host, "port": port, "data_dir": str(data_dir) if data_dir else None, "database_url": database_url,
+             "ray_address": ray_address, "models_dir": str(models_dir) if models_dir else None,
+             "checkpoint_every": checkpoint_every, "events_every": events_every, "eval_max_tokens": eval_max_tokens,
+             "eval_prompts": eval_prompts, "threads": threads}
+    settings = TrainerSettings(**{k: v for k, v in given.items() if v is not None})
+    for name in ("checkpoint_every", "events_every"):
+        if getattr(settings, name) < 1:
+            raise typer.BadParameter(f"--{name.replace('_', '-')} must be at least 1")
+    serve(settings, log_level)
+
+
+def register_trainer_commands(app: typer.Typer) -> None:
+    app.add_typer(trainer_app, name="trainer")

@@ -1,0 +1,33 @@
+"""What the trainer's routes accept (they parse their own requests, to answer in OpenAI's envelope), for its
+/openapi.json; merged into FastAPI's document by services.gateway.openapi.document."""
+
+from __future__ import annotations
+
+from services.gateway.openapi import json_body, page_params, upload_body
+
+from .api import HYPERPARAMETERS, JOB_FIELDS
+
+_KINDS = {int: {"type": "integer"}, float: {"type": "number"}, str: {"type": "string"}}
+_HYPERPARAMETERS = {"type": ["object", "null"], "additionalProperties": False,
+                    "properties": {name: {"anyOf": [_KINDS[kind], {"const": "auto"}, {"type": "null"}]}
+                                   for name, (kind, *_rest) in HYPERPARAMETERS.items()}}
+_METHOD = {"type": ["object", "null"], "additionalProperties": False, "required": ["type"], "properties": {
+    "type": {"const": "distillation"},
+    "distillation": {"type": ["object", "null"], "additionalProperties": False, "properties": {"hyperparameters": _HYPERPARAMETERS}}}}
+_JOB = {"type": "object", "additionalProperties": False, "required": ["model", "training_file"], "properties": {
+    "model": {"type": "string", "minLength": 1}, "training_file": {"type": "string", "minLength": 1},
+    "validation_file": {"type": ["string", "null"]}, "method": _METHOD,
+    "suffix": {"type": ["string", "null"], "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+    "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**31 - 1},
+    "metadata": {"type": ["object", "null"], "maxProperties": 16, "propertyNames": {"maxLength": 64},
+                 "additionalProperties": {"type": "string", "maxLength": 512}},
+    "hyperparameters": {"type": "null"}, "integrations": {"type": "null"}}}
+assert set(_JOB["properties"]) == JOB_FIELDS
+
+OPERATIONS = {
+    ("post", "/v1/files"): {"summary": "Upload a file", "requestBody": upload_body(["fine-tune", "batch"])},
+    ("post", "/v1/fine_tuning/jobs"): {"summary": "Create a SwiftKV distillation job", "requestBody": json_body(_JOB)},
+    ("get", "/v1/fine_tuning/jobs"): {"summary": "List jobs", "parameters": page_params(100)},
+    ("get", "/v1/fine_tuning/jobs/{job_id}/events"): {"summary": "A job's events", "parameters": page_params(1000)},
+    ("get", "/v1/fine_tuning/jobs/{job_id}/checkpoints"): {"summary": "A job's checkpoints", "parameters": page_params(1000)},
+}

@@ -1,0 +1,174 @@
+"""`swiftkv trainer serve`: the distillation job service, a FastAPI app of its own (not part of the gateway)
+sharing the Batch API's store and file store, with one worker loop running one job at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from starlette.responses import JSONResponse, Response
+
+from services.batch.files import FileStore
+from services.batch.threads import Threads
+from services.gateway.errors import APIError, error_response
+
+from .api import build_router
+from .backends import LocalBackend, RayBackend
+from .metrics import STATUSES, jobs_by_status
+from .store import TrainingStore
+from .worker import Worker
+
+log = logging.getLogger("swiftkv.training")
+
+
+class TrainerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SWIFTKV_TRAINER_")
+
+    host: str = "0.0.0.0"
+    port: int = 8001
+    data_dir: str = "data/trainer"
+    database_url: str | None = None  # default: SQLite file in data_dir
+    models_dir: str = "models"  # where finished jobs publish their SwiftKV checkpoints (`swiftkv models list --dir`)
+    ray_address: str | None = None
+    ray_num_gpus: float = 0
+    max_file_bytes: int = 512 << 20
+    checkpoint_every: int = 50  # steps between resumable checkpoints
+    events_every: int = 10  # steps between metrics events
+    eval_max_tokens: int = 16384  # packed tokens of the final evaluation (0: no evaluation)
+    eval_prompts: int = 4  # short prompts for greedy agreement
+    eval_gen_tokens: int = 16
+    threads: int | None = None  # torch threads of the job process
+    poll_seconds: float = 0.5
+
+
+class TrainerService:
+    def __init__(self, settings: TrainerSettings):
+        self.settings = settings
+        data_dir = Path(settings.data_dir).expanduser()
+        data_dir.mkdir(parents=True, exist_ok=True)
+        settings.data_dir = str(data_dir.resolve())
+        self.store = TrainingStore(settings.database_url or f"sqlite:///{data_dir / 'swiftkv.db'}")
+        self.files = FileStore(data_dir / "files")
+        self.io = Threads(2)
+        backend = RayBackend(settings.ray_address, num_gpus=settings.ray_num_gpus) if settings.ray_address else LocalBackend()
+        self.worker = Worker(self.store, self.files, settings, backend)
+        self.wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def prepare_run(self, run_dir: Path, base: Path, method: dict, seed: int, train: Path, valid: Path | None) -> None:
+        """The run folder holds everything the job process needs: the settings, its data and (later) its state."""
+        hp = method["distillation"]["hyperparameters"]
+        run_dir.mkdir(parents=True)
+        lines = [ln for ln in train.read_bytes().splitlines() if ln.strip()]
+        if valid is not None:
+            shutil.copyfile(valid, run_dir / "eval.jsonl")
+            train_lines = lines
+        else:  # a held-out tenth when there is enough data, else the training records themselves
+            held = len(lines) // 10 if len(lines) >= 10 else 0
+            train_lines = lines[: len(lines) - held]
+            (run_dir / "eval.jsonl").write_bytes(b"\n".join(lines[len(lines) - held:] if held else lines) + b"\n")
+        (run_dir / "train.jsonl").write_bytes(b"\n".join(train_lines) + b"\n")
+        s = self.settings
+        spec = {
+            "distill": {"base": str(base), "out": str(run_dir / "out"), "data": str(run_dir / "train.jsonl"),
+                        "num_key_value_layers": hp["num_key_value_layers"], "key_value_group_size": hp["key_value_group_size"],
+                        "loss": hp["loss"], "temperature": hp["temperature"], "init": hp["init"], "lr": hp["learning_rate"],
+                        "max_steps": hp["n_steps"], "batch_size": hp["batch_size"], "seq_len": hp["seq_len"], "seed": seed,
+                        "log_every": 1, "checkpoint_every": s.checkpoint_every, "threads": s.threads, "progress": False,
+                        # the teacher's side of each row computed once (a resumed attempt reuses it): a step is the
+                        # student's later layers and the head only
+                        "cache": str(run_dir / "teacher-cache")},
+            "eval": {"text": str(run_dir / "eval.jsonl"), "seq_len": hp["seq_len"], "max_tokens": s.eval_max_tokens,
+                     "num_prompts": s.eval_prompts, "gen_tokens": s.eval_gen_tokens} if s.eval_max_tokens > 0 else None,
+        }
+        (run_dir / "job.json").write_text(json.dumps(spec, indent=2))
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.io(self.worker.tick)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the store is briefly unreachable, a file is mid-write: try again next tick
+                log.exception("training worker tick failed")
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), self.settings.poll_seconds)
+            self.wake.clear()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._task
+        self.io.close()
+        self.store.close()
+
+
+def create_app(settings: TrainerSettings) -> FastAPI:
+    service = TrainerService(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await service.start()
+        yield
+        await service.stop()
+
+    app = FastAPI(title="SwiftKV trainer", lifespan=lifespan)
+    app.state.service = service
+    app.include_router(build_router(service))
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from services.gateway.openapi import document
+
+    from .openapi import OPERATIONS
+
+    app.openapi = lambda: document(app, OPERATIONS)  # the routes parse their own requests: described here
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):  # e.g. a multipart body Starlette cannot parse
+        return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        return error_response(400, f"invalid request: {first.get('msg', 'bad input')}", param=".".join(str(x) for x in first.get("loc", ())[1:]) or None)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        log.exception("unexpected error")
+        return error_response(500, f"internal error: {type(e).__name__}", "server_error")
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics():
+        counts = await service.io(service.store.count_by_status)
+        for status in STATUSES:
+            jobs_by_status.labels(status).set(counts.get(status, 0))
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve(settings: TrainerSettings, log_level: str = "info") -> None:
+    import uvicorn
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)

