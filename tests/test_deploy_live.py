@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from test_deploy import ROOT, find, render, tool
+
+
 def _promql_left_side(expr: str) -> str:
     """An alert's expression without its threshold, so it returns data while nothing is wrong."""
     return re.split(r"\s(?:>|<|==|!=|>=|<=)\s[^()]*$", expr.strip())[0]
@@ -21,13 +23,15 @@ def _promql_left_side(expr: str) -> str:
 
 @pytest.mark.slow
 def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base, tiny_swiftkv, tmp_path):
-    """Prometheus (Debian's binary, loopback) scrapes a live `swiftkv serve --engine inprocess` on the tiny
-    fixtures; after a short load (live requests to both pools, a rejected one, a batch) every dashboard panel
-    query and every alert expression, run through Prometheus's HTTP API, returns a series with a number."""
+    """Prometheus (Debian's binary, loopback) scrapes a live `swiftkv serve --engine inprocess` and a live
+    `swiftkv trainer serve` on the tiny fixtures; after a short load (live requests to both pools, a rejected one,
+    a batch, a four-step distillation job) every dashboard panel query and every alert expression, run through
+    Prometheus's HTTP API, returns a series with a number."""
     import httpx
     import openai
 
     from test_gateway import engine_args, free_port, launch, stop, wait_until
+    from test_training import QUICK, Trainer, create, records, wait_status
 
     sys.path.insert(0, str(ROOT / "deploy" / "grafana"))
     try:
@@ -43,12 +47,18 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base
                         "decode": {"model": str(tiny_base), "engine_args": engine_args()}},
               "batch": {"poll_seconds": 0.2}}
     proc, base = launch(work, config, "--engine", "inprocess", env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": ""})
+    trainer = Trainer(tmp_path, tmp_path / "trainer", tmp_path / "models")
     prom_port = free_port()
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "swiftkv-gateway", "static_configs": [{"targets": [base.removeprefix("http://")]}]}]}))
+        "scrape_configs": [{"job_name": "swiftkv-gateway", "static_configs": [{"targets": [base.removeprefix("http://")]}]},
+                           {"job_name": "swiftkv-trainer", "static_configs": [{"targets": [trainer.base.removeprefix("http://")]}]}]}))
     prom = None
     try:
+        # the trainer's job runs while the engines load
+        trainer.start()
+        trainer_client = trainer.client()
+        job = create(trainer_client, tiny_base, trainer_client.files.create(file=("train.jsonl", records()), purpose="fine-tune").id)
         wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 420, "ready")
         with open(tmp_path / "prometheus.log", "w") as log:
             prom = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
@@ -60,6 +70,8 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base
         started = time.time()
         long_prompt = "Summarize the following notes about the river and the town. " * 12
         for i in range(4):  # prompt-heavy -> prefill, output-heavy -> decode, streamed and not
+            if i == 1:  # each series scraped once before it grows: a series born at its final count has no rate()
+                time.sleep(2.5)
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long_prompt}], max_tokens=4)
             for _ in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"Hi {i}"}], max_tokens=24,
                                                     stream=True, stream_options={"include_usage": True}):
@@ -75,6 +87,7 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base
         while client.batches.retrieve(batch.id).status != "completed":
             assert time.time() < deadline, "batch did not complete"
             time.sleep(0.5)
+        wait_status(trainer_client, job.id, ("succeeded",))
         time.sleep(4)  # a few scrapes after the last request
 
         rule = find(render(), "PrometheusRule")[0]
@@ -88,6 +101,8 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base
             if not any(v == v for v in values):  # no series, or only NaN
                 empty.append(f"{title}: {query}")
         assert not empty, "queries without data:\n" + "\n".join(empty)
+        trained = httpx.get(f"{api}/query", params={"query": "sum(swiftkv_training_tokens_total)"}, timeout=10).json()["data"]["result"]
+        assert float(trained[0]["value"][1]) == QUICK["n_steps"] * QUICK["batch_size"] * QUICK["seq_len"]
 
         # the latency panels as a picture, from the same queries (README: SWIFTKV_DASHBOARD_PNG=deploy/grafana/latency.png)
         import render_png
@@ -98,4 +113,6 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base
         if prom is not None:
             prom.terminate()
             prom.wait(30)
+        if trainer.proc is not None:
+            trainer.stop()
         stop(proc)

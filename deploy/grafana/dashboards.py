@@ -94,6 +94,20 @@ ROWS: dict[str, list[Panel]] = {
               [(f'sum by (pool, status) (rate(swiftkv_requests_total{{source="batch"}}[{RATE}]))', "{{pool}} {{status}}")]),
         Panel("Batches finished", "short",
               [("sum by (status) (swiftkv_batches_finished_total)", "{{status}}")]),
+        Panel("Oldest pending batch line", "s",
+              [("max(swiftkv_batch_oldest_pending_age_seconds)", "age")]),
+    ],
+    "Training jobs": [
+        Panel("Fine-tuning jobs by status", "short",
+              [("sum by (status) (swiftkv_training_jobs)", "{{status}}")], "Jobs in the trainer's store"),
+        Panel("Running jobs", "short",
+              [('sum(swiftkv_training_jobs{status="running"})', "running"),
+               ('sum(swiftkv_training_jobs{status=~"validating_files|queued"})', "waiting"),
+               ('sum(swiftkv_training_jobs{status="paused"})', "paused")], "One job runs at a time; the others wait in order"),
+        Panel("Trained tokens/s", "short",
+              [(f"sum(rate(swiftkv_training_tokens_total[{RATE}]))", "tokens/s")]),
+        Panel("Jobs finished in the last hour", "short",
+              [("sum by (status) (increase(swiftkv_training_jobs_finished_total[1h]))", "{{status}}")]),
     ],
 }
 
@@ -103,7 +117,7 @@ def build() -> dict:
         dashboard.Dashboard("SwiftKV serving")
         .uid("swiftkv-serving")
         .tags(["swiftkv", "vllm"])
-        .description("Gateway latency and routing per pool, engine (vLLM) queues and KV cache, Batch API")
+        .description("Gateway latency and routing per pool, engine (vLLM) queues and KV cache, Batch API, training jobs")
         .refresh("30s")
         .time("now-1h", "now")
         .with_variable(dashboard.DatasourceVariable("datasource").label("Prometheus").type("prometheus"))

@@ -48,6 +48,10 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- .Values.batchStore.persistence.existingClaim | default (printf "%s-data" (include "swiftkv.fullname" .)) -}}
 {{- end -}}
 
+{{- define "swiftkv.trainerClaim" -}}
+{{- .Values.trainer.persistence.existingClaim | default (printf "%s-trainer" (include "swiftkv.fullname" .)) -}}
+{{- end -}}
+
 {{- define "swiftkv.keysSecret" -}}
 {{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "swiftkv.fullname" .)) -}}
 {{- end -}}
@@ -70,6 +74,18 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
 {{/* platform.yaml: the values' platform block plus what the chart decides (listen address, paths, backends). */}}
+{{/* The RayService head's GCS address. The gateway joins the cluster there as a node without resources (its driver
+streams from the deployments' handles, which Ray Client, ray://, cannot). */}}
+{{- define "swiftkv.rayHead" -}}
+{{- printf "%s-head-svc:6379" (include "swiftkv.rayService" .) -}}
+{{- end -}}
+
+{{/* The Ray Serve application of a pool: named in the RayService's serveConfigV2 and, as the pool's ray_app,
+in the platform config the gateway reads to attach to it. */}}
+{{- define "swiftkv.rayApp" -}}
+swiftkv-{{ . }}
+{{- end -}}
+
 {{- define "swiftkv.platformConfig" -}}
 {{- $cfg := deepCopy .Values.platform -}}
 {{- $_ := set $cfg "host" "0.0.0.0" -}}
@@ -79,7 +95,12 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $_ := set $cfg "api_keys_file" (printf "/etc/swiftkv/keys/%s" .Values.apiKeys.existingSecretKey) -}}
 {{- end -}}
 {{- if eq .Values.engines.mode "kuberay" -}}
-{{- $_ := set $cfg "ray_address" (printf "ray://%s-head-svc:10001" (include "swiftkv.rayService" .)) -}}
+{{- $_ := set $cfg "ray_address" (include "swiftkv.rayHead" .) -}}
+{{- range $name, $pool := $cfg.pools -}}
+{{- if ne ($pool.backend | default "engine") "remote" -}}
+{{- $_ := set $pool "ray_app" (include "swiftkv.rayApp" $name) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- if eq .Values.engines.mode "deployments" -}}
 {{- $pools := dict -}}
