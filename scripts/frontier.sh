@@ -7,7 +7,7 @@
 #
 # Every row: least-squares K/V init, then KL distillation (T = 2) for the same 256,000 training tokens
 # (125 steps x 8 rows x 256 tokens: two epochs over the first 512 packed rows of data/mix/train.jsonl)
-# through one teacher cache; lr 1e-3, linear schedule with 5% warm-up. Needs `swiftkv models prepare smollm2-135m-instruct` and `swiftkv data prepare --out data/mix`.
+# through one teacher cache; lr 1e-3, linear schedule with 5% warm-up (later flags of a row override these). Needs `swiftkv models prepare smollm2-135m-instruct` and `swiftkv data prepare --out data/mix`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SWIFTKV=${SWIFTKV:-.venv/bin/swiftkv}
@@ -22,11 +22,17 @@ declare -A ROW=(
   [l18]="--num-key-value-layers 18"
   [l20]="--num-key-value-layers 20"
   [l22]="--num-key-value-layers 22"
+  [l24]="--num-key-value-layers 24"
   [l20-t1]="--num-key-value-layers 20 --temperature 1"
   [l20-hidden]="--num-key-value-layers 20 --hidden-weight 1"
   [l18-g2]="--num-key-value-layers 18 --key-value-group-size 2"
   [l20-g2]="--num-key-value-layers 20 --key-value-group-size 2"
   [l20-qkv]="--num-key-value-layers 20 --init lstsq-qkv"
+  # data shaped like the SwiftKV pool's traffic (`swiftkv data answers`): 1,024-token rows, same tokens per step
+  # a longer budget at one layout (not a frontier row: 4x the tokens, one pass over 2,048 rows, its own cache)
+  [l22-1m]="--num-key-value-layers 22 --rows 2048 --max-steps 500 --cache $RUNS/cache-mix-2048-l22"
+  [l20-1m]="--num-key-value-layers 20 --rows 2048 --max-steps 500 --cache $RUNS/cache-mix-2048-l20"
+  [l20-answers]="--num-key-value-layers 20 --data $DATA/answers.jsonl --all-tokens --seq-len 1024 --batch-size 2 --rows 125 --cache $RUNS/cache-answers-1024"
 )
 COMMON=(--base "$BASE" --data "$DATA/train.jsonl" --cache "$CACHE" --init lstsq --lr 1e-3 --max-steps 125
         --batch-size 8 --seq-len 256 --rows 512 --checkpoint-every 25)
@@ -34,7 +40,7 @@ COMMON=(--base "$BASE" --data "$DATA/train.jsonl" --cache "$CACHE" --init lstsq 
 THREADS_FLAG=(); [ -n "${THREADS:-}" ] && THREADS_FLAG=(--threads "$THREADS")
 
 cache() {
-  "$SWIFTKV" distill-cache --base "$BASE" --data "$DATA/train.jsonl" --out "$CACHE" --layers 15,18,20,22 --rows 512 --seq-len 256 "${THREADS_FLAG[@]}"
+  "$SWIFTKV" distill-cache --base "$BASE" --data "$DATA/train.jsonl" --out "$CACHE" --layers 15,18,20,22,24 --rows 512 --seq-len 256 "${THREADS_FLAG[@]}"
 }
 
 train() {

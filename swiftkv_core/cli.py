@@ -52,14 +52,20 @@ def models_prepare_command(
 
 
 @models_app.command("list")
-def models_list_command() -> None:
-    """Show the models `prepare` knows, with each shipped SwiftKV model's layout, quality and speed-up."""
-    from .models import REGISTRY, model_card
+def models_list_command(
+    dir: Annotated[Path, typer.Option("--dir", help="Models directory (where distillation jobs publish their models)")] = Path("models"),
+) -> None:
+    """Show the models `prepare` knows, with each shipped SwiftKV model's layout, quality and speed-up, and
+    the models distillation jobs published (their folder can be a pool's model in `swiftkv serve`)."""
+    from .models import REGISTRY, fine_tuned, fine_tuned_card, model_card
 
     for model in REGISTRY.values():
         typer.echo(f"{model.name:36s} {model.description}")
         if card := model_card(model.name):
             typer.echo(f"{'':36s} {card}")
+    for name, card in fine_tuned(dir).items():
+        typer.echo(f"{name:36s} {card['path']}")
+        typer.echo(f"{'':36s} {fine_tuned_card(card)}")
 
 
 analyze_app = typer.Typer(no_args_is_help=True, help="What SwiftKV saves: FLOPs, KV bytes, layer similarity.")
@@ -219,6 +225,7 @@ def register_core_commands(app: typer.Typer) -> None:
     from .vllm.bench import bench_app  # typer only; vLLM is imported when a benchmark runs
 
     bench_app.command("distill")(bench_distill_command)
+    bench_app.command("platform")(bench_platform_command)
     app.add_typer(bench_app, name="bench")
     register_training_commands(app)
 
@@ -248,6 +255,35 @@ def data_prepare_command(
         fail(str(e))
     _print_json(manifest["stats"])
     typer.echo(str(out))
+
+
+@data_app.command("answers")
+def data_answers_command(
+    base: Annotated[Path, typer.Option(help="The teacher (base model folder or hub id) that answers")],
+    text: Annotated[Path, typer.Option(help="Training text the documents are cut from (never held-out text)")],
+    out: Annotated[Path, typer.Option(help="JSONL of chat records: document + request, the teacher's answer")],
+    num: Annotated[int, typer.Option(help="Records (documents)")] = 400,
+    min_tokens: Annotated[int, typer.Option(help="Shortest document, tokens")] = 300,
+    max_tokens: Annotated[int, typer.Option(help="Longest document, tokens")] = 900,
+    answer_tokens: Annotated[int, typer.Option(help="Most answer tokens")] = 128,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of the answers (0 = greedy)")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seed of the requests' choice and of sampling")] = 0,
+    dtype: Annotated[str, typer.Option(help="Engine dtype; auto: bfloat16 only on CPUs with native bf16, else float32")] = "auto",
+) -> None:
+    """The teacher's own answers to prompt-heavy requests about training documents (vLLM): distillation data
+    shaped like the traffic a SwiftKV pool serves."""
+    from .answers import answer_records, write_records
+    from .data import DataError
+    from .evaluate import EvalError
+
+    if num < 1 or answer_tokens < 1 or temperature < 0:
+        fail("num and answer-tokens must be positive and temperature >= 0")
+    try:
+        records = answer_records(base, text, num, min_tokens, max_tokens, answer_tokens, temperature, seed, {"dtype": dtype})
+    except (DataError, EvalError) as e:
+        fail(str(e))
+    write_records(records, out)
+    typer.echo(f"{len(records)} records -> {out}")
 
 
 def distill_command(
@@ -360,6 +396,72 @@ def bench_distill_command(
         fail(str(e))
     report["load_average_1min_at_start"] = load
     _print_json(report)
+
+
+def bench_platform_command(
+    workload: Annotated[str, typer.Option(help="rag (10:1) | chat (1:1) | gen (1:10) | mixed (70/20/10)")] = "rag",
+    rate: Annotated[list[float], typer.Option("--rate", help="Offered load, requests/s (Poisson); repeat for a sweep")] = [0.5],  # noqa: B006
+    count: Annotated[int, typer.Option(help="Requests per rate, at most")] = 100,
+    duration: Annotated[float, typer.Option(help="Arrivals per rate stop after this many seconds")] = 180.0,
+    configs: Annotated[str, typer.Option(help="Comma-separated: routed, base, swiftkv")] = "routed,base,swiftkv",
+    base_model: Annotated[Path, typer.Option(help="Base model folder")] = Path("models/smollm2-135m-instruct"),
+    swiftkv_model: Annotated[Path, typer.Option(help="SwiftKV model folder")] = Path("models/smollm2-135m-instruct-swiftkv"),
+    text: Annotated[Path, typer.Option(help="Text the prompts are cut from (`swiftkv data prepare` output)")] = Path("data/mix/heldout.jsonl"),
+    scale: Annotated[float, typer.Option(help="Multiply every prompt/output length target (e.g. 0.1 for tiny models)")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Workload seed (texts, lengths, arrivals)")] = 0,
+    ttft_slo: Annotated[float, typer.Option(help="Goodput SLO: time to first token, seconds")] = 2.0,
+    tpot_slo: Annotated[float, typer.Option(help="Goodput SLO: time per output token, seconds")] = 0.2,
+    reference_rate: Annotated[float | None, typer.Option(help="Rate of the top-level figures and the TTFT CDF (default: the highest)")] = None,
+    max_model_len: Annotated[int, typer.Option(help="Engine max_model_len (every engine)")] = 2048,
+    dtype: Annotated[str, typer.Option(help="Engine dtype; auto: bfloat16 only on CPUs with native bf16, else float32")] = "auto",
+    kv_cache_mib: Annotated[int, typer.Option(help="KV-cache budget per engine, MiB (every engine)")] = 256,
+    out: Annotated[Path | None, typer.Option(help="Write the report here (JSON) and the PNG plots next to it")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr")] = True,
+    target: Annotated[str | None, typer.Option(help="Drive this running OpenAI-compatible server (base URL) instead of starting --configs")] = None,
+    target_model: Annotated[str | None, typer.Option(help="With --target: the model every request asks for")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer the prompts are counted with (default: --base-model's)")] = None,
+    api_key: Annotated[str, typer.Option(envvar="SWIFTKV_BENCH_API_KEY", help="With --target: bearer key sent with every request")] = "none",
+    json: AsJson = False,
+) -> None:
+    """The whole platform under real-text traffic: routed (SwiftKV + base pools), base (2 base replicas) and
+    swiftkv (2 SwiftKV replicas), each started through `swiftkv serve`, one after the other on these cores;
+    or, with --target, a server that is already running."""
+    import json as jsonlib
+    import os
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "loadtest" / "platform_bench.py").exists():
+        fail(f"the load-test package is not next to {root / 'swiftkv_core'} (run from a source checkout)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from loadtest.platform_bench import PlatformBenchConfig, PlatformBenchError, plot, run
+
+    cfg = PlatformBenchConfig(base_model=str(base_model), swiftkv_model=str(swiftkv_model), text=str(text), workload=workload,
+                              rates=list(rate), count=count, duration_s=duration, seed=seed, scale=scale,
+                              configs=[c.strip() for c in configs.split(",") if c.strip()], max_model_len=max_model_len,
+                              dtype=dtype, kv_cache_bytes=kv_cache_mib << 20, ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo,
+                              reference_rate=reference_rate, progress=progress, target=target, target_model=target_model,
+                              tokenizer=None if tokenizer is None else str(tokenizer), api_key=api_key)
+    if json:
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    log = (lambda m: typer.echo(m, err=True)) if json else typer.echo
+    try:
+        report, samples = run(cfg, log=log)
+    except PlatformBenchError as e:
+        fail(str(e))
+    report["command"] = "swiftkv bench platform " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "platform"] else " ".join(sys.argv)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        report["plots"] = [str(p) for p in plot(report, samples, out)]
+        out.write_text(jsonlib.dumps(report, indent=2) + "\n")
+    if json:
+        return _print_json(report)
+    rows = [[name, str(c["reference_rate"]), f"{c['ttft_p50_s']}", f"{c['ttft_p99_s']}", f"{c['tpot_p50_s']}",
+             f"{c['throughput_tok_s']}", f"{c['goodput_rps']}", str(c["errors"]), " ".join(f"{k}={v}" for k, v in c["pool_share"].items())]
+            for name, c in report["configs"].items()]
+    _print_table(f"{workload}: platform load test", ["config", "rate", "TTFT p50 s", "TTFT p99 s", "TPOT p50 s", "tok/s",
+                                                     "goodput req/s", "errors", "pools"], rows)
 
 
 def eval_command(

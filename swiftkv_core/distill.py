@@ -239,14 +239,17 @@ class _HeadKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, s, t, weight, temperature: float, chunk: int):
-        total = s.new_zeros((), dtype=torch.float64)
+        # In place wherever it can be: at 49k-token vocabularies each [chunk x vocabulary] temporary costs
+        # as much memory traffic as a matmul, and the head is a third of a cached training step on a CPU.
+        inv = 1.0 / temperature
+        total = torch.zeros((), dtype=torch.float64)
         grad = torch.empty_like(s)
         for a in range(0, s.shape[0], chunk):
-            log_ps = F.log_softmax(s[a : a + chunk] @ weight.T / temperature, dim=-1)
-            log_pt = F.log_softmax(t[a : a + chunk] @ weight.T / temperature, dim=-1)
+            log_ps = torch.log_softmax(torch.mm(s[a : a + chunk], weight.T).mul_(inv), dim=-1)
+            log_pt = torch.log_softmax(torch.mm(t[a : a + chunk], weight.T).mul_(inv), dim=-1)
             p_t = log_pt.exp()
-            total += (p_t * (log_pt - log_ps)).sum(dtype=torch.float64)
-            grad[a : a + chunk] = (log_ps.exp() - p_t) @ weight / temperature
+            total += torch.dot(p_t.view(-1), log_pt.sub_(log_ps).view(-1)).double()  # sum p_t (log p_t - log p_s)
+            torch.mm(log_ps.exp_().sub_(p_t), weight, out=grad[a : a + chunk]).mul_(inv)  # (p_s - p_t) W / T
         ctx.save_for_backward(grad)
         return total.to(s.dtype)
 

