@@ -1,0 +1,513 @@
+"""Platform load test (`swiftkv bench platform`): the whole platform under realistic traffic, against the
+obvious alternatives, one after the other on the same cores.
+
+Each configuration is started by this tool as its own `swiftkv serve --engine inprocess` process (two
+in-process engines, same engine arguments and KV budget each), measured, and stopped before the next:
+
+    routed   prefill pool = the SwiftKV model, decode pool = the base model; requests name the public
+             model, so the gateway's default ratio routing (with its backlog override) picks the pool
+    base     both pools serve the base model; requests alternate between the two pools' own model names
+             (round-robin over two replicas, through the same gateway)
+    swiftkv  both pools serve the SwiftKV model, round-robin likewise
+
+The traffic (loadtest.workloads) is sent with the official openai client (async, streaming, usage in the
+last chunk, ignore_eos so every request generates its full max_tokens) at each rate of a sweep. Per config
+and rate: TTFT p50/p90/p99, TPOT p50/p99, inter-token latency, end-to-end latency, requests/s, prompt and
+output tokens/s, goodput (requests/s meeting both SLOs), errors, and the share of requests each pool served
+(from the `x-swiftkv-route` header). The CPU model, its vector flags and the load average are recorded.
+
+With a target (`--target URL --target-model NAME`) no configuration is started: the same traffic goes to a
+server already running there (a deployed gateway, vLLM's own OpenAI server), every request asking for NAME,
+and the report has one configuration named NAME@host:port.
+
+Run it as `swiftkv bench platform ...` or `python -m loadtest.platform_bench ...` from the repository root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from loadtest.workloads import WORKLOADS, Request, generate, summary
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ("routed", "base", "swiftkv")
+PUBLIC = "swiftkv-bench"
+
+
+class PlatformBenchError(ValueError):
+    """A run that cannot start or finish (bad option, missing model, a server that does not come up)."""
+
+
+@dataclass
+class PlatformBenchConfig:
+    base_model: str = "models/smollm2-135m-instruct"
+    swiftkv_model: str = "models/smollm2-135m-instruct-swiftkv"
+    tokenizer: str | None = None  # default: the base model's
+    text: str = "data/mix/heldout.jsonl"
+    workload: str = "rag"
+    rates: list[float] = field(default_factory=lambda: [0.5])
+    count: int = 100  # requests per rate at most
+    duration_s: float = 180.0  # arrivals per rate end after this
+    seed: int = 0
+    scale: float = 1.0  # length targets multiplied by this (tiny models)
+    configs: list[str] = field(default_factory=lambda: list(CONFIGS))
+    max_model_len: int = 2048
+    dtype: str = "auto"
+    kv_cache_bytes: int = 256 << 20
+    extra_engine_args: dict = field(default_factory=dict)
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.2
+    reference_rate: float | None = None  # the rate of the top-level figures and the CDF; default the highest
+    request_timeout_s: float = 600.0
+    ready_timeout_s: float = 900.0
+    warmup_requests: int = 2
+    progress: bool = True
+    target: str | None = None  # a running OpenAI-compatible server's base URL: drive it instead of the configs
+    target_model: str | None = None  # the model the requests to the target ask for
+    api_key: str = "none"
+
+    @property
+    def target_name(self) -> str:
+        from urllib.parse import urlsplit
+
+        return f"{self.target_model}@{urlsplit(self.target).netloc}"
+
+    def check(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise PlatformBenchError(f"--workload: unknown {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
+        if self.target is not None:
+            if not self.target.startswith(("http://", "https://")):
+                raise PlatformBenchError(f"--target: {self.target!r} is not an http(s) URL")
+            if not self.target_model:
+                raise PlatformBenchError("--target-model: the model the requests to --target ask for is required")
+        bad = [c for c in self.configs if c not in CONFIGS]
+        if self.target is None and (bad or not self.configs):
+            raise PlatformBenchError(f"--configs: unknown {bad or 'none given'}; choose from {', '.join(CONFIGS)}")
+        if not self.rates or min(self.rates) <= 0:
+            raise PlatformBenchError(f"--rate: rates must be positive, got {self.rates}")
+        if self.count < 1 or self.duration_s <= 0 or self.scale <= 0:
+            raise PlatformBenchError("--count, --duration and --scale must be positive")
+        if self.reference_rate is not None and self.reference_rate not in self.rates:
+            raise PlatformBenchError(f"--reference-rate {self.reference_rate} is not one of the rates {self.rates}")
+        # a target needs only a tokenizer (the base model's unless --tokenizer names one)
+        folders = [] if self.target is not None and self.tokenizer else [("--base-model", self.base_model)]
+        if self.target is None:
+            folders.append(("--swiftkv-model", self.swiftkv_model))
+        for opt, path in folders:
+            if not (Path(path) / "config.json").exists():
+                raise PlatformBenchError(f"{opt}: {path} is not a model folder with a config.json")
+        if not Path(self.text).exists():
+            raise PlatformBenchError(f"--text: {self.text} does not exist (write it with `swiftkv data prepare`)")
+        if self.tokenizer is not None and not Path(self.tokenizer).exists():
+            raise PlatformBenchError(f"--tokenizer: {self.tokenizer} does not exist (a model or tokenizer folder)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Configurations and their servers
+
+
+def engine_args(cfg: PlatformBenchConfig) -> dict:
+    return {"max_model_len": cfg.max_model_len, "dtype": cfg.dtype, "enforce_eager": True,
+            "kv_cache_memory_bytes": cfg.kv_cache_bytes, **cfg.extra_engine_args}
+
+
+def platform_config(name: str, cfg: PlatformBenchConfig, port: int) -> dict:
+    """The `swiftkv serve` YAML of one configuration (pools named prefill/decode in every one)."""
+    prefill, decode = {"routed": (cfg.swiftkv_model, cfg.base_model), "base": (cfg.base_model, cfg.base_model),
+                       "swiftkv": (cfg.swiftkv_model, cfg.swiftkv_model)}[name]
+    tokenizer = cfg.tokenizer or cfg.base_model
+    pool = lambda model: {"model": str(Path(model).resolve()), "tokenizer": str(Path(tokenizer).resolve()),  # noqa: E731
+                          "engine_args": engine_args(cfg)}
+    return {"model": PUBLIC, "host": "127.0.0.1", "port": port, "pools": {"prefill": pool(prefill), "decode": pool(decode)},
+            "limits": {"max_body_bytes": 4_000_000}}
+
+
+def model_names(name: str) -> list[str]:
+    """What requests ask for, in turn: the public name (routed), or each pool's own name (round-robin)."""
+    return [PUBLIC] if name == "routed" else [f"{PUBLIC}-prefill", f"{PUBLIC}-decode"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def existing(base: str, model: str, api_key: str, timeout: float):
+    """A server this tool did not start: yields its base URL once its /v1/models lists `model`."""
+    import httpx
+
+    base = base.rstrip("/")
+    try:
+        r = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {api_key}"}, timeout=timeout)
+    except httpx.HTTPError as e:
+        raise PlatformBenchError(f"--target: {base} does not answer: {e}") from e
+    if r.status_code != 200:
+        raise PlatformBenchError(f"--target: GET {base}/v1/models answered {r.status_code}: {r.text[:300]}")
+    served = [m.get("id") for m in r.json().get("data", [])]
+    if model not in served:
+        raise PlatformBenchError(f"--target-model: {base} does not serve {model!r} (it serves {', '.join(map(str, served))})")
+    yield base
+
+
+@contextmanager
+def serve(name: str, cfg: PlatformBenchConfig, work: Path, log: Callable[[str], None]):
+    """A running `swiftkv serve` of configuration `name`; yields its base URL, stops it (engines too) after."""
+    import httpx
+
+    port = free_port()
+    cfg_path, log_path = work / f"{name}.yaml", work / f"{name}.log"
+    cfg_path.write_text(yaml.safe_dump(platform_config(name, cfg, port)))
+    swiftkv = Path(sys.executable).parent / "swiftkv"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}
+    data_dir = work / f"{name}-data"
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen([str(swiftkv), "serve", "--config", str(cfg_path), "--engine", "inprocess", "--data-dir", str(data_dir)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + cfg.ready_timeout_s
+        log(f"{name}: starting swiftkv serve on port {port} (log {log_path})")
+        while True:
+            if proc.poll() is not None:
+                raise PlatformBenchError(f"{name}: swiftkv serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise PlatformBenchError(f"{name}: not ready after {cfg.ready_timeout_s:.0f} s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(1)
+        yield base
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# --------------------------------------------------------------------------------------------------
+# Driving a server
+
+
+@dataclass
+class Record:
+    index: int
+    kind: str
+    model: str
+    sent_s: float = 0.0  # after the start of the run
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    pool: str | None = None
+    route_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.e2e_s is None or self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def parse_route(header: str | None) -> tuple[str | None, str | None]:
+    parts = dict(p.strip().split("=", 1) for p in (header or "").split(";") if "=" in p)
+    return parts.get("pool"), parts.get("reason")
+
+
+async def one_request(client, req: Request, model: str, t0: float, timeout: float) -> Record:
+    rec = Record(req.index, req.kind, model, sent_s=time.perf_counter() - t0)
+    start = time.perf_counter()
+    try:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=model, messages=req.messages(), max_tokens=req.max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, timeout=timeout)
+        rec.pool, rec.route_reason = parse_route(raw.headers.get("x-swiftkv-route"))
+        stream = raw.parse()
+        if asyncio.iscoroutine(stream):
+            stream = await stream
+        last = None
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and (chunk.choices[0].delta.content or "") != "":
+                if rec.ttft_s is None:
+                    rec.ttft_s = now - start
+                else:
+                    rec.itl_s.append(now - last)
+                last = now
+            if chunk.usage is not None:
+                rec.prompt_tokens, rec.output_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+        rec.e2e_s = time.perf_counter() - start
+        if rec.ttft_s is None:
+            rec.error = "no content in the stream"
+    except Exception as e:  # a failed request is a figure of the run, not the end of it
+        rec.error = f"{type(e).__name__}: {str(e)[:200]}"
+    return rec
+
+
+async def drive(base: str, names: list[str], requests: list[Request], timeout: float, on_done: Callable[[], None],
+                api_key: str = "none") -> tuple[list[Record], float]:
+    """Send each request at its arrival time (not waiting for earlier ones); -> records and the run's span
+    (first send to last finish)."""
+    import httpx
+    import openai
+
+    limits = httpx.Limits(max_connections=10_000, max_keepalive_connections=1000)
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=timeout,
+                                http_client=httpx.AsyncClient(limits=limits, timeout=timeout))
+    t0 = time.perf_counter()
+
+    async def at_arrival(req: Request) -> Record:
+        await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - t0)))
+        rec = await one_request(client, req, names[req.index % len(names)], t0, timeout)
+        on_done()
+        return rec
+
+    try:
+        records = await asyncio.gather(*(at_arrival(r) for r in requests))
+    finally:
+        await client.close()
+    return list(records), time.perf_counter() - t0
+
+
+async def warm_up(base: str, names: list[str], requests: list[Request], n: int, timeout: float, api_key: str = "none") -> None:
+    """A few requests to each model name in `names` (the pools pinned, then what the run asks for), not measured."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+    try:
+        for name in dict.fromkeys(names):
+            for req in requests[:n]:
+                rec = await one_request(client, req, name, time.perf_counter(), timeout)
+                if rec.error:
+                    raise PlatformBenchError(f"warm-up request to {name} failed: {rec.error}")
+    finally:
+        await client.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Figures
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def r4(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def figures(records: list[Record], span_s: float, rate: float, cfg: PlatformBenchConfig) -> dict:
+    ok = [r for r in records if r.error is None]
+    ttft = [r.ttft_s for r in ok]
+    tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
+    itl = [x for r in ok for x in r.itl_s]
+    e2e = [r.e2e_s for r in ok]
+    good = [r for r in ok if r.ttft_s <= cfg.ttft_slo_s and (r.tpot_s is None or r.tpot_s <= cfg.tpot_slo_s)]
+    prompt_toks, out_toks = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
+    pools: dict[str, int] = {}
+    reasons: dict[str, int] = {}
+    for r in ok:
+        pools[r.pool or "unknown"] = pools.get(r.pool or "unknown", 0) + 1
+        reasons[r.route_reason or "unknown"] = reasons.get(r.route_reason or "unknown", 0) + 1
+    span = max(span_s, 1e-9)
+    req_s = len(ok) / span
+    return {
+        "offered_rps": rate, "requests": len(records), "completed": len(ok), "errors": len(records) - len(ok),
+        "error_samples": sorted({r.error for r in records if r.error})[:3], "span_s": round(span_s, 3),
+        "ttft_p50_s": r4(pct(ttft, 50)), "ttft_p90_s": r4(pct(ttft, 90)), "ttft_p99_s": r4(pct(ttft, 99)),
+        "ttft_mean_s": r4(statistics.fmean(ttft) if ttft else None),
+        "tpot_p50_s": r4(pct(tpot, 50)), "tpot_p99_s": r4(pct(tpot, 99)),
+        "itl_p50_s": r4(pct(itl, 50)), "itl_p99_s": r4(pct(itl, 99)),
+        "e2e_p50_s": r4(pct(e2e, 50)), "e2e_p99_s": r4(pct(e2e, 99)),
+        "requests_per_s": r4(req_s), "prompt_tok_s": round(prompt_toks / span, 1), "output_tok_s": round(out_toks / span, 1),
+        "throughput_tok_s": round((prompt_toks + out_toks) / span, 1),
+        "goodput_rps": r4(len(good) / span), "slo_attained": r4(len(good) / len(records)) if records else None,
+        "sustained": sustained(records),
+        "pool_share": {k: round(v / max(len(ok), 1), 3) for k, v in sorted(pools.items())},
+        "route_reasons": dict(sorted(reasons.items())),
+        "ttft_all_s": [round(x, 4) for x in sorted(ttft)],
+    }
+
+
+def sustained(records: list[Record]) -> bool:
+    """Nothing failed and no queue built up: the median TTFT of the last third of the requests (by arrival)
+    is at most twice that of the first third plus 0.1 s (a rate beyond capacity makes it grow without end)."""
+    if not records or any(r.error for r in records):
+        return False
+    by_arrival = sorted(records, key=lambda r: r.index)
+    third = max(1, len(by_arrival) // 3)
+    early = statistics.median(r.ttft_s for r in by_arrival[:third])
+    late = statistics.median(r.ttft_s for r in by_arrival[-third:])
+    return late <= 2 * early + 0.1
+
+
+def config_summary(per_rate: dict[float, dict], reference_rate: float) -> dict:
+    """The top-level figures of one configuration: latencies and goodput at the reference rate, throughput at
+    the highest rate it sustained (the highest rate measured if none was sustained)."""
+    ref = per_rate[reference_rate]
+    sustained = [r for r in sorted(per_rate) if per_rate[r]["sustained"]]
+    at = sustained[-1] if sustained else max(per_rate)
+    return {"reference_rate": reference_rate, "ttft_p50_s": ref["ttft_p50_s"], "ttft_p90_s": ref["ttft_p90_s"],
+            "ttft_p99_s": ref["ttft_p99_s"], "tpot_p50_s": ref["tpot_p50_s"], "tpot_p99_s": ref["tpot_p99_s"],
+            "goodput_rps": ref["goodput_rps"], "errors": sum(v["errors"] for v in per_rate.values()),
+            "throughput_tok_s": per_rate[at]["throughput_tok_s"], "throughput_rate": at,
+            "highest_sustained_rate": sustained[-1] if sustained else None, "pool_share": ref["pool_share"],
+            "rates": {str(r): {k: v for k, v in f.items() if k != "ttft_all_s"} for r, f in sorted(per_rate.items())}}
+
+
+def machine() -> dict:
+    from swiftkv_core.hardware import cpu_info
+
+    info = cpu_info()
+    return {**info.as_dict(), "cpu_summary": info.summary(), "cpus": os.cpu_count(), "load_average": list(os.getloadavg())}
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+
+
+def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[dict, dict]:
+    """-> (report, the TTFT samples per config and rate for the plots)."""
+    cfg.check()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.base_model)
+    rates = sorted(set(cfg.rates))
+    reference = cfg.reference_rate if cfg.reference_rate is not None else rates[-1]
+    workloads = {r: generate(cfg.workload, cfg.text, tokenizer, r, cfg.count, cfg.duration_s, cfg.seed, cfg.scale) for r in rates}
+    report = {"workload": cfg.workload, "workload_summary": summary(workloads[reference]), "rates": rates,
+              "reference_rate": reference, "slo": {"ttft_s": cfg.ttft_slo_s, "tpot_s": cfg.tpot_slo_s},
+              "engine_args": engine_args(cfg), "models": {"base": cfg.base_model, "swiftkv": cfg.swiftkv_model},
+              "machine": machine(), "configs": {}}
+    if cfg.target is not None:  # nothing started here: no engine arguments or model folders of ours
+        report |= {"engine_args": None, "models": None, "target": {"url": cfg.target, "model": cfg.target_model}}
+    samples: dict[str, dict[float, list[float]]] = {}
+    progress = _progress(cfg.progress)
+    with tempfile.TemporaryDirectory(prefix="swiftkv-bench-platform-") as tmp, progress:
+        for name in [cfg.target_name] if cfg.target is not None else cfg.configs:
+            load_before = list(os.getloadavg())
+            per_rate: dict[float, dict] = {}
+            if cfg.target is not None:
+                server, names, warm = existing(cfg.target, cfg.target_model, cfg.api_key, 30), [cfg.target_model], [cfg.target_model]
+            else:
+                server, names = serve(name, cfg, Path(tmp), log), model_names(name)
+                warm = [f"{PUBLIC}-prefill", f"{PUBLIC}-decode", *names]
+            with server as base:
+                asyncio.run(warm_up(base, warm, workloads[rates[0]], cfg.warmup_requests, cfg.request_timeout_s, cfg.api_key))
+                for rate in rates:
+                    reqs = workloads[rate]
+                    task = progress.add_task(f"{name} @ {rate:g} req/s", total=len(reqs))
+                    records, span = asyncio.run(drive(base, names, reqs, cfg.request_timeout_s, lambda t=task: progress.advance(t),
+                                                      cfg.api_key))
+                    per_rate[rate] = figures(records, span, rate, cfg)
+                    log(f"{name} @ {rate:g} req/s: TTFT p50 {per_rate[rate]['ttft_p50_s']} s p99 {per_rate[rate]['ttft_p99_s']} s, "
+                        f"{per_rate[rate]['throughput_tok_s']} tok/s, goodput {per_rate[rate]['goodput_rps']} req/s, "
+                        f"errors {per_rate[rate]['errors']}, pools {per_rate[rate]['pool_share']}")
+            samples[name] = {r: f.pop("ttft_all_s") for r, f in per_rate.items()}
+            report["configs"][name] = config_summary(per_rate, reference) | {"load_average_before": load_before}
+    report["load_average_after"] = list(os.getloadavg())
+    return report, samples
+
+
+class _NoProgress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_task(self, *a, **k):
+        return 0
+
+    def advance(self, *a, **k):
+        pass
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return _NoProgress()
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True))
+
+
+def plot(report: dict, samples: dict[str, dict[float, list[float]]], out_json: Path) -> list[Path]:
+    """TTFT p50/p99 against offered load per configuration, and the TTFT CDF at the reference rate; PNGs
+    next to `out_json` (<stem>_ttft_vs_load.png, <stem>_ttft_cdf.png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stem = out_json.with_suffix("")
+    paths = [Path(f"{stem}_ttft_vs_load.png"), Path(f"{stem}_ttft_cdf.png")]
+    title = f"{report['workload']} workload, {report['machine']['cpu_model']}"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, c in report["configs"].items():
+        rates = sorted(float(r) for r in c["rates"])
+        for q, style in (("p50", "-o"), ("p99", "--s")):
+            ys = [c["rates"][str(r)][f"ttft_{q}_s"] for r in rates]
+            ax.plot(rates, [float("nan") if y is None else y for y in ys], style, label=f"{name} {q}")
+    ax.set(xlabel="offered load (requests/s)", ylabel="TTFT (s)", title=f"TTFT against load: {title}")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ref = report["reference_rate"]
+    for name, per_rate in samples.items():
+        xs = per_rate.get(ref) or []
+        if xs:
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+    ax.set(xlabel="TTFT (s)", ylabel="fraction of requests", title=f"TTFT CDF at {ref:g} req/s: {title}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m loadtest.platform_bench` (the same options as `swiftkv bench platform`)."""
+    from services.cli import app
+
+    app(["bench", "platform", *(argv if argv is not None else sys.argv[1:])])
+
+
+if __name__ == "__main__":
+    main()
