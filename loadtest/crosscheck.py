@@ -133,7 +133,7 @@ def run(cfg: PlatformBenchConfig, config: str, model: str, profile: str, rate: f
             if warm:
                 asyncio.run(warm_up(base, [model], warm, len(warm), cfg.request_timeout_s, cfg.api_key))
             log(f"ours: {count} requests, {profile} {rate:g} req/s, {prompt_tokens} prompt / {output_tokens} output tokens")
-            records, span = asyncio.run(drive(base, [model], requests, cfg.request_timeout_s, lambda: None, cfg.api_key))
+            records, span = asyncio.run(drive(base, [model], requests, cfg.request_timeout_s, lambda rec: None, cfg.api_key))
             ours = ours_figures(records, span, rate, cfg)
             log(f"ours: {json.dumps({k: ours[k] for k in COMPARED})}")
             cmd = guidellm_command(guidellm, base, model, cfg.api_key, tokenizer_path, profile, rate, count, prompt_tokens,

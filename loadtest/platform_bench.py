@@ -170,6 +170,14 @@ def existing(base: str, model: str, api_key: str, timeout: float):
 @contextmanager
 def serve(name: str, cfg: PlatformBenchConfig, work: Path, log: Callable[[str], None]):
     """A running `swiftkv serve` of configuration `name`; yields its base URL, stops it (engines too) after."""
+    with started(name, cfg, work, log) as (base, _):
+        yield base
+
+
+@contextmanager
+def started(name: str, cfg: PlatformBenchConfig, work: Path, log: Callable[[str], None]):
+    """As `serve`, yielding (base URL, the `swiftkv serve` process: the gateway, with its engines as children). The
+    process leads its own process group, which is stopped as a whole after (also on Ctrl-C)."""
     import httpx
 
     port = free_port()
@@ -196,7 +204,7 @@ def serve(name: str, cfg: PlatformBenchConfig, work: Path, log: Callable[[str], 
             if time.time() > deadline:
                 raise PlatformBenchError(f"{name}: not ready after {cfg.ready_timeout_s:.0f} s:\n{log_path.read_text()[-3000:]}")
             time.sleep(1)
-        yield base
+        yield base, proc
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -225,6 +233,7 @@ class Record:
     output_tokens: int = 0
     pool: str | None = None
     route_reason: str | None = None
+    finish_reason: str | None = None
     error: str | None = None
 
     @property
@@ -259,20 +268,24 @@ async def one_request(client, req: Request, model: str, t0: float, timeout: floa
                 else:
                     rec.itl_s.append(now - last)
                 last = now
+            if chunk.choices and chunk.choices[0].finish_reason:
+                rec.finish_reason = chunk.choices[0].finish_reason
             if chunk.usage is not None:
                 rec.prompt_tokens, rec.output_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
         rec.e2e_s = time.perf_counter() - start
         if rec.ttft_s is None:
             rec.error = "no content in the stream"
+        elif rec.finish_reason is None:  # cut short: the server closed it without finishing the choice
+            rec.error = "the stream ended without a finish_reason"
     except Exception as e:  # a failed request is a figure of the run, not the end of it
         rec.error = f"{type(e).__name__}: {str(e)[:200]}"
     return rec
 
 
-async def drive(base: str, names: list[str], requests: list[Request], timeout: float, on_done: Callable[[], None],
+async def drive(base: str, names: list[str], requests: list[Request], timeout: float, on_done: Callable[[Record], None],
                 api_key: str = "none") -> tuple[list[Record], float]:
     """Send each request at its arrival time (not waiting for earlier ones); -> records and the run's span
-    (first send to last finish)."""
+    (first send to last finish). `on_done` gets each record as its request ends."""
     import httpx
     import openai
 
@@ -284,7 +297,7 @@ async def drive(base: str, names: list[str], requests: list[Request], timeout: f
     async def at_arrival(req: Request) -> Record:
         await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - t0)))
         rec = await one_request(client, req, names[req.index % len(names)], t0, timeout)
-        on_done()
+        on_done(rec)
         return rec
 
     try:
@@ -427,7 +440,7 @@ def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[d
                 for rate in rates:
                     reqs = workloads[rate]
                     task = progress.add_task(f"{name} @ {rate:g} req/s", total=len(reqs))
-                    records, span = asyncio.run(drive(base, names, reqs, cfg.request_timeout_s, lambda t=task: progress.advance(t),
+                    records, span = asyncio.run(drive(base, names, reqs, cfg.request_timeout_s, lambda rec, t=task: progress.advance(t),
                                                       cfg.api_key))
                     per_rate[rate] = figures(records, span, rate, cfg)
                     log(f"{name} @ {rate:g} req/s: TTFT p50 {per_rate[rate]['ttft_p50_s']} s p99 {per_rate[rate]['ttft_p99_s']} s, "

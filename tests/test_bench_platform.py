@@ -239,3 +239,91 @@ def test_crosscheck_with_guidellm(running, tiny_base, corpus, tmp_path):
     # constant rate 4/s, 10 requests: both spans are about 2.5 s plus the last request
     assert 0.5 < ours["requests_per_s"] <= 4.5 and 0.5 < theirs["requests_per_s"] <= 4.5
     assert abs(theirs["recomputed"]["ttft_p50_s"] - theirs["ttft_p50_s"]) <= 0.5 * theirs["ttft_p50_s"] + 0.01
+
+
+def soak(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}
+    return subprocess.run([sys.executable, "-m", "loadtest.soak", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env=env)
+
+
+def test_soak_refuses_bad_options(tiny_base):
+    models = ("--base-model", str(tiny_base), "--swiftkv-model", str(tiny_base))
+    r = soak("--rate", "1", "--duration", "10", "--interval", "60", *models)
+    assert r.returncode == 2 and "--interval (60 s) is longer than --duration (10 s)" in r.stderr
+    r = soak("--rate", "1", "--config", "fast", *models)
+    assert r.returncode == 2 and "--config: unknown 'fast'" in r.stderr
+    r = soak("--rate", "1", "--gateway-pid", "1", *models)
+    assert r.returncode == 2 and "--gateway-pid is for --target" in r.stderr
+    r = soak("--rate", "0", *models)
+    assert r.returncode == 2 and "must be positive" in r.stderr
+
+
+@needs_manpages
+@pytest.mark.slow
+def test_soak_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
+    """A 20-second soak of the routed configuration sampled every 5 s: four rows of gateway and engine RSS and
+    fds, TTFT and requests, no error, the trend and verdict, the PNG and the markdown table."""
+    out = tmp_path / "soak" / "soak.json"
+    r = soak("--rate", "1", "--duration", "20", "--interval", "5", "--scale", "0.1", "--warmup", "1",
+             "--base-model", str(tiny_base), "--swiftkv-model", str(tiny_swiftkv), "--text", str(corpus),
+             "--max-model-len", "512", "--kv-cache-mib", "32", "--dtype", "float32", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-4000:]
+    report = json.loads(out.read_text())
+    rows, totals = report["rows"], report["totals"]
+    assert len(rows) == 4 and [row["minute"] for row in rows] == [round(5 * k / 60, 2) for k in (1, 2, 3, 4)]
+    for row in rows:
+        for key in ("gateway_rss_mib", "engine_rss_mib", "gateway_fds", "engine_fds"):
+            assert isinstance(row[key], (int, float)) and row[key] > 0, (key, row)
+        assert row["errors"] == 0 and row["load_1min"] >= 0
+        # the gateway's children: the two engine cores (the platform's pools) are among them
+        assert sum("EngineCor" in e["name"] for e in row["engines"]) == 2, row["engines"]
+        assert row["engine_rss_mib"] == pytest.approx(sum(e["rss_mib"] for e in row["engines"]), abs=0.2)
+        if row["ttft_n"]:
+            assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
+    assert sum(row["ttft_n"] for row in rows) >= 3
+    assert totals["errors"] == 0 and totals["planned"] == totals["finished"] == totals["completed"] == sum(row["done"] for row in rows) > 5
+    assert totals["ttft_p50_s"] > 0 and totals["output_tokens"] > 0 and set(totals["pool_share"]) <= {"prefill", "decode"}
+    assert report["machine"]["cpu_model"] and report["server"]["config"] == "routed" and not report["interrupted"]
+    assert report["traffic"]["workload"] == "mixed" and report["command"].startswith("python -m loadtest.soak --rate 1")
+    trend = report["trend"]
+    assert trend["points"] == 3 and set(trend["within"]) == {"gateway_rss_mib", "engine_rss_mib", "gateway_fds", "engine_fds"}
+    assert isinstance(trend["no_growth"], bool)
+    png = Path(report["plot"])
+    assert png == out.with_suffix(".png") and png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = [line for line in r.stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| minute | gateway RSS MiB") and len(table) == 1 + 4
+    assert "no_growth" in r.stdout and r.stderr.count("] gateway ") == 4  # a progress line per interval
+
+
+@needs_manpages
+@pytest.mark.slow
+def test_soak_stops_the_platform_on_ctrl_c(tiny_base, tiny_swiftkv, corpus, tmp_path):
+    """SIGINT after the first row: the gateway and its engines are stopped, the rows so far are written, exit 130."""
+    import signal
+
+    import psutil
+
+    out = tmp_path / "soak.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}
+    proc = subprocess.Popen([sys.executable, "-m", "loadtest.soak", "--rate", "1", "--duration", "120", "--interval", "4",
+                             "--scale", "0.1", "--warmup", "0", "--base-model", str(tiny_base), "--swiftkv-model", str(tiny_swiftkv),
+                             "--text", str(corpus), "--max-model-len", "512", "--kv-cache-mib", "32", "--dtype", "float32",
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        for line in proc.stderr:
+            if "] gateway " in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["interrupted"] and len(report["rows"]) >= 1 and report["totals"]["errors"] == 0
+    pids = [report["server"]["sampled_pid"], *(e["pid"] for e in report["rows"][0]["engines"])]
+    assert len(pids) >= 3
+    gone = lambda pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # noqa: E731
+    assert all(gone(pid) for pid in pids), [(pid, psutil.Process(pid).cmdline()) for pid in pids if not gone(pid)]
+    assert Path(report["plot"]).exists() and "| minute |" in stdout
