@@ -24,7 +24,8 @@ import yaml
 from sqlalchemy import create_engine, text
 
 from services.batch.runner import PoolSlots
-from services.serving.config import BatchConfig
+from services.gateway.routing import PoolState, RoutePolicy
+from services.serving.config import BatchConfig, RoutingConfig
 
 KEY_A, KEY_B = "sk-batch-a", "sk-batch-b"
 PUBLIC = "tiny"
@@ -406,25 +407,50 @@ def test_a_key_sees_only_its_own_files_and_batches(platform, client):
     assert httpx.get(f"{platform.base}/v1/batches").status_code == 401
 
 
-def test_in_flight_bound_shrinks_while_live_requests_wait():
+def test_batch_work_yields_to_live_traffic_on_a_pool():
+    """PoolSlots against the gateway's own pool state and route policy: the bound drops to min_in_flight on a
+    live-busy pool, lines routed to a live-busy SwiftKV pool are steered to a quiet base-model pool (also while
+    they wait for a slot), and the bound is back at max_in_flight once the pool has been quiet."""
     async def run():
-        live = {"prefill": 0}
-        slots = PoolSlots(BatchConfig(max_in_flight=3, min_in_flight=1), live)
+        policy = RoutePolicy(RoutingConfig(ratio_threshold=4))
+        pools = {name: PoolState(name, backend=None, served_model_name=f"m-{name}", ready=True) for name in ("prefill", "decode")}
+        slots = PoolSlots(BatchConfig(max_in_flight=3, min_in_flight=1, live_quiet_seconds=0.3), pools, policy)
+        heavy, pinned = policy.decide(400, 10, pools), policy.decide(20, 200, pools, pinned="decode")
         held = []
-        for _ in range(3):
-            cm = slots("prefill")
-            await cm.__aenter__()
+
+        async def enter(decision):
+            cm = slots(decision)
+            placed = await cm.__aenter__()
             held.append(cm)
+            return placed
+
+        for _ in range(3):
+            assert (await enter(heavy)).pool == "prefill"
         assert slots.allowed("prefill") == 3
-        live["prefill"] = 5  # live requests waiting for their first token
+        pools["prefill"].live_started()  # a live request on the SwiftKV pool
         assert slots.allowed("prefill") == 1
-        for cm in held[:2]:
-            await cm.__aexit__(None, None, None)
-        blocked = asyncio.create_task(slots("prefill").__aenter__())
+        placed = await enter(heavy)
+        assert (placed.pool, placed.reason) == ("decode", "batch_steered")
+        pools["decode"].live_started()  # now on both: lines stay on their pool, which takes min_in_flight
+        assert slots.allowed("decode") == 1
+        blocked = asyncio.create_task(enter(pinned))
+        await asyncio.sleep(0.25)
+        assert not blocked.done()  # the base-model pool has its one batch request in flight
+        pools["decode"].live_ended()
         await asyncio.sleep(0.1)
-        assert not blocked.done()  # one in flight is all batch work gets while live requests wait
-        live["prefill"] = 0
-        await asyncio.wait_for(blocked, 1)
+        assert not blocked.done()  # the quiet time after a live request ends still counts as live-busy
+        assert (await asyncio.wait_for(blocked, 1)).pool == "decode"
+        waiting = asyncio.create_task(enter(heavy))  # prefill: 3 in flight, live-busy; decode: 2 in flight, quiet
+        assert (await asyncio.wait_for(waiting, 1)).reason == "batch_steered"
+        for cm in held[:3]:
+            await cm.__aexit__(None, None, None)
+        pools["prefill"].live_ended()
+        waiting = asyncio.create_task(enter(heavy))  # decode is full; prefill takes it once it has been quiet 0.3 s
+        placed = await asyncio.wait_for(waiting, 1)
+        assert (placed.pool, placed.reason) == ("prefill", "ratio") and slots.allowed("prefill") == 3
+        for cm in held[3:]:
+            await cm.__aexit__(None, None, None)
+        assert not any(slots.busy.values())
     asyncio.run(run())
 
 

@@ -57,6 +57,40 @@ def test_fallback_pinned_and_single_pool():
     assert policy.decide(400, 10, only).reason == "single"
 
 
+def test_live_busy_from_dispatch_to_the_end_and_a_quiet_time_after():
+    pool = pools()["prefill"]
+    assert not pool.live_busy(2.0)
+    pool.live_started()
+    assert pool.live_busy(0.0)  # busy past its first token, until the response ends
+    pool.live_ended()
+    assert pool.live_busy(2.0) and not pool.live_busy(0.0)
+    pool.live_ended_at -= 2.0  # ended 2 s ago
+    assert not pool.live_busy(2.0) and pool.live_busy(3.0)
+
+
+def test_batch_lines_leave_a_live_busy_pool_only_for_equal_or_better_quality():
+    policy = RoutePolicy(RoutingConfig(ratio_threshold=4))
+    p = pools()
+    busy: set[str] = set()
+    steer = lambda d: policy.steer_batch(d, p, lambda pool: pool in busy)  # noqa: E731
+    heavy, light = policy.decide(400, 10, p), policy.decide(20, 200, p)
+    assert steer(heavy) == heavy and steer(light) == light  # no live traffic: routed as live requests are
+    busy.add("prefill")
+    d = steer(heavy)
+    assert (d.pool, d.reason, d.ratio) == ("decode", "batch_steered", heavy.ratio)  # SwiftKV -> base model
+    assert steer(policy.decide(400, 10, p, pinned="prefill")).pool == "prefill"  # pinned stays
+    busy = {"decode"}
+    assert steer(light) == light  # never base model -> SwiftKV: that would lower the line's quality
+    busy = {"prefill", "decode"}
+    assert steer(heavy) == heavy  # nowhere quieter to go
+    busy = {"prefill"}
+    p["decode"].ready = False
+    assert steer(heavy) == heavy  # the base-model pool is down
+    only = {"prefill": p["prefill"]}
+    single = policy.decide(400, 10, only)
+    assert policy.steer_batch(single, only, lambda pool: True) == single
+
+
 def test_rate_limiter_counts_tokens_and_says_when_to_retry():
     limiter = RateLimiter(None, 600, None)  # 600 prompt tokens per minute = 10 per second
     limiter.acquire("k", 500, 10)
@@ -133,8 +167,10 @@ class ScriptedBackend:
 
     def __init__(self):
         self.error: Exception | None = None
+        self.served = 0
 
     async def generate(self, request):
+        self.served += 1
         if self.error is not None:
             raise self.error
         yield Output([ChoiceDelta(0, "x", 1, "length")])
@@ -168,5 +204,44 @@ def test_a_failed_request_leaves_the_pool_in_routing_a_dead_pool_leaves_it(tiny_
             assert not pool.ready
             r = await c.post("/v1/completions", json=body)  # routed around: nothing reaches the dead engine
             assert r.status_code == 503 and "not available" in r.json()["error"]["message"]
+
+    asyncio.run(run())
+    assert pool.live_in_flight == 0 and pool.live_busy(60.0)  # every live request ended, failures included
+
+
+def test_a_batch_line_leaves_the_swiftkv_pool_to_live_traffic(tiny_base):
+    """A prompt-heavy batch line runs on the SwiftKV pool while it has no live traffic, and on the base-model
+    pool (route reason batch_steered, counted as source=batch) while a live request is on it or just ended."""
+    from prometheus_client import REGISTRY
+
+    from services.batch.runner import PoolSlots
+    from services.gateway.app import Gateway, create_app
+    from services.gateway.prompts import Prompter
+
+    pool_cfg = {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}
+    cfg = PlatformConfig(model="m", pools={"prefill": pool_cfg, "decode": pool_cfg}, batch={"live_quiet_seconds": 60})
+    backends = {"prefill": ScriptedBackend(), "decode": ScriptedBackend()}
+    gateway = Gateway(cfg, backends, Prompter(str(tiny_base)), KeyStore({}))
+    for pool in gateway.pools.values():
+        pool.ready = True
+    slots = PoolSlots(cfg.batch, gateway.pools, gateway.policy)
+    body = {"model": "m", "prompt": "hello " * 20, "max_tokens": 1}  # prompt-heavy: the ratio picks prefill
+    decisions = lambda pool, reason: REGISTRY.get_sample_value(  # noqa: E731
+        "swiftkv_route_decisions_total", {"pool": pool, "reason": reason, "source": "batch"}) or 0.0
+
+    async def batch_line():
+        status, answer = await gateway.run_request(body, "completion", "owner", source="batch", priority=10, slot=slots)
+        assert status == 200, answer
+
+    async def run():
+        before = decisions("decode", "batch_steered"), decisions("prefill", "ratio")
+        await batch_line()
+        assert (backends["prefill"].served, backends["decode"].served) == (1, 0)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gateway)), base_url="http://gw") as c:
+            r = await c.post("/v1/completions", json=body)  # live, on prefill; it has ended when the answer is back
+            assert r.status_code == 200 and "pool=prefill" in r.headers["x-swiftkv-route"]
+        await batch_line()
+        assert (backends["prefill"].served, backends["decode"].served) == (2, 1)
+        assert (decisions("decode", "batch_steered"), decisions("prefill", "ratio")) == (before[0] + 1, before[1] + 1)
 
     asyncio.run(run())

@@ -2,9 +2,17 @@
 routing and backends as live traffic, at a lower engine priority), commits each finished line, and
 writes the output and error files once every line is done, or the batch is cancelled or expired.
 
-Live traffic comes first: each pool takes at most `max_in_flight` batch requests at once, one fewer
-for every live request waiting for its first token (down to `min_in_flight`), and batch requests carry
-vLLM priority `priority` so a priority-scheduling engine runs live requests ahead of them.
+Live traffic comes first, in three ways (settings in `BatchConfig`):
+- A pool is live-busy while a live request is in flight on it (from dispatch to the end of its response)
+  and for `live_quiet_seconds` after the last one ended. A live-busy pool takes at most `min_in_flight`
+  batch requests at once, any other pool `max_in_flight`. (vLLM runs the requests it has started, batch
+  ones included, before waiting ones whatever their priority, so a live request shares every engine step
+  with the batch requests already running: only keeping them out of its pool keeps its latency.)
+- A line routed to a live-busy pool moves to a ready pool that is not live-busy when that does not lower
+  its quality: from the SwiftKV pool to the base-model pool, never the reverse (route reason
+  `batch_steered`, `RoutePolicy.steer_batch`). Where it is placed is decided while it waits for a slot.
+- Batch requests carry vLLM priority `priority`, so a priority-scheduling engine admits waiting live
+  requests ahead of them.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from collections import defaultdict, deque
 from contextlib import asynccontextmanager, suppress
 from typing import AsyncIterator
 
+from services.gateway.routing import Decision, PoolState, RoutePolicy
 from services.serving.config import BatchConfig
 
 from . import metrics
@@ -35,31 +44,39 @@ CANCELLED_MESSAGE = "This request was not executed: the batch was cancelled."
 
 
 class PoolSlots:
-    """The bound on batch requests in flight per pool, recomputed as live requests come and go."""
+    """Which pool a batch line runs on and the bound on batch requests in flight per pool, both following the
+    live traffic on the pools (the gateway's `PoolState`s)."""
 
-    def __init__(self, cfg: BatchConfig, live_waiting: dict[str, int]):
-        self.cfg = cfg
-        self.live_waiting = live_waiting
+    def __init__(self, cfg: BatchConfig, pools: dict[str, PoolState], policy: RoutePolicy):
+        self.cfg, self.pools, self.policy = cfg, pools, policy
         self.busy: dict[str, int] = defaultdict(int)
         self.freed = asyncio.Event()
 
+    def live_busy(self, pool: str) -> bool:
+        return self.pools[pool].live_busy(self.cfg.live_quiet_seconds)
+
     def allowed(self, pool: str) -> int:
-        n = max(self.cfg.min_in_flight, self.cfg.max_in_flight - self.live_waiting.get(pool, 0))
+        n = self.cfg.min_in_flight if self.live_busy(pool) else self.cfg.max_in_flight
         metrics.in_flight_limit.labels(pool).set(n)
         return n
 
     @asynccontextmanager
-    async def __call__(self, pool: str) -> AsyncIterator[None]:
+    async def __call__(self, decision: Decision) -> AsyncIterator[Decision]:
+        """Wait for a slot on the line's pool, or on the pool it is steered to; yields the decision served."""
         # Re-check when a batch request ends, and every 100 ms for live requests coming and going (they do
         # not tell us; batch work can wait that long).
-        while self.busy[pool] >= self.allowed(pool):
+        while True:
+            placed = self.policy.steer_batch(decision, self.pools, self.live_busy)
+            if self.busy[placed.pool] < self.allowed(placed.pool):
+                break
             self.freed.clear()
             with suppress(TimeoutError):
                 await asyncio.wait_for(self.freed.wait(), 0.1)
+        pool = placed.pool
         self.busy[pool] += 1
         metrics.in_flight.labels(pool).inc()
         try:
-            yield
+            yield placed
         finally:
             self.busy[pool] -= 1
             metrics.in_flight.labels(pool).dec()
@@ -72,7 +89,7 @@ class Runner:
     def __init__(self, store: BatchStore, files: FileStore, gateway, cfg: BatchConfig, io: Threads):
         self.store, self.files, self.gateway, self.cfg, self.io = store, files, gateway, cfg, io
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-        self.slots = PoolSlots(cfg, gateway.live_waiting)
+        self.slots = PoolSlots(cfg, gateway.pools, gateway.policy)
         self.jobs: dict[str, Job] = {}
         self.wake = asyncio.Event()
 

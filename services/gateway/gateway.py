@@ -30,7 +30,7 @@ from .auth import KeyStore, RateLimiter, RedisRateLimiter
 from .errors import APIError, bad_request, error_body, sse_error
 from .prompts import Prompter, max_model_len
 from .render import ChatRender, Choice, CompletionRender, sse_event, usage_dict
-from .routing import Ewma, NoPoolAvailable, PoolState, RoutePolicy
+from .routing import Decision, Ewma, NoPoolAvailable, PoolState, RoutePolicy
 from .schemas import ChatCompletionRequest, CompletionRequest, parse
 from .tools import ToolCalls, parser_class
 
@@ -79,7 +79,6 @@ class Gateway:
         for name, parser in self.tool_parsers.items():
             if parser is not None:
                 parser_class(parser)  # an unknown name fails at start, not on the first request with tools
-        self.live_waiting = {name: 0 for name in self.pools}  # live requests without their first token (batch work yields to them)
         self._tasks: list[asyncio.Task] = []
         self.started = False  # the first start of every pool has been tried
         self._announced = False
@@ -228,8 +227,8 @@ class Gateway:
         m.prompt_tokens.inc(prompt_tokens)
         pool.dispatched(prompt_tokens)
         live = source == "live"
-        if live:
-            self.live_waiting[pool.name] += 1
+        if live:  # batch work yields to live traffic on this pool until it has been quiet a while (services/batch)
+            pool.live_started()
         first_at = None
         generated = 0
         status = "error"
@@ -239,8 +238,6 @@ class Gateway:
                     n = sum(c.num_tokens for c in out.choices)
                     if first_at is None and n:
                         first_at = time.perf_counter()
-                        if live:
-                            self.live_waiting[pool.name] -= 1
                         pool.first_token(prompt_tokens, first_at - t0)
                         m.ttft.observe(first_at - t0)
                     if out.queue_seconds is not None:
@@ -258,9 +255,9 @@ class Gateway:
             raise
         finally:
             end = time.perf_counter()
+            if live:
+                pool.live_ended()
             if first_at is None:
-                if live:
-                    self.live_waiting[pool.name] -= 1
                 pool.first_token(prompt_tokens, 0.0)
             m.in_flight.dec()
             m.requests[status].inc()
@@ -458,11 +455,12 @@ class Gateway:
         return outputs
 
     async def run_request(self, data: object, kind: str, identity: str, *, source: str = "batch", priority: int = 0,
-                          slot: Callable[[str], AbstractAsyncContextManager] | None = None) -> tuple[int, dict]:
+                          slot: Callable[[Decision], AbstractAsyncContextManager[Decision]] | None = None) -> tuple[int, dict]:
         """Serve one already-parsed, non-streamed request body without HTTP (the Batch API's lines): the same
         validation, token counting, routing, backends and metrics (labelled `source`) as live traffic, at
-        the engine priority given, not charged to per-minute limits. `slot(pool)` is entered once the pool
-        is chosen and held while the engine works (the caller's bound on its own requests per pool)."""
+        the engine priority given, not charged to per-minute limits. `slot(decision)` is entered once the route
+        is decided and held while the engine works (the caller's bound on its own requests per pool); it may
+        move the request to another pool: the decision it yields is the one served and counted."""
         try:
             _, req, gen, decision, reserved, estimate, r = self.prepare_body(data, kind, identity, charge=False)
             if req.stream:
@@ -471,7 +469,7 @@ class Gateway:
             metrics.rejections.labels(REJECTION_REASONS.get(e.code or "", "invalid_request"), source).inc()
             return e.status, e.body()
         gen.priority = priority
-        async with slot(decision.pool) if slot is not None else nullcontext():
+        async with slot(decision) if slot is not None else nullcontext(decision) as decision:
             metrics.route_decisions.labels(decision.pool, decision.reason, source).inc()
             stream = self.retried(decision, req.model, gen, time.perf_counter(), identity, reserved, estimate, source)
             return await self.collect(stream, r, len(gen.prompt_token_ids), r.structured_param)

@@ -11,11 +11,15 @@ Reasons (a small fixed set, used as a metric label and in the `x-swiftkv-route` 
   fallback   the ratio's pool is down
   pinned     the client asked for a pool's own model name
   single     only one pool is configured
+  batch_steered  a Batch API line moved off a pool busy with live traffic (`RoutePolicy.steer_batch`)
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from services.serving.backend import Backend
 from services.serving.config import RoutingConfig
@@ -23,6 +27,10 @@ from services.serving.config import RoutingConfig
 from . import metrics
 
 PREFILL, DECODE = "prefill", "decode"
+# Where a batch line may move without losing quality: the config fixes the pools' roles by name (`prefill`
+# serves the SwiftKV model, `decode` its base model, sharing its tokenizer), and the base model is the quality
+# reference. Never the reverse.
+STEER_TO = {PREFILL: DECODE}
 
 
 @dataclass
@@ -45,6 +53,19 @@ class PoolState:
     ready: bool = False
     backlog_tokens: int = 0  # dispatched prompt tokens whose first token has not come back
     prefill_rate: Ewma = field(default_factory=lambda: Ewma(5000.0))  # tokens/s, from prompt tokens / TTFT
+    live_in_flight: int = 0  # live requests from dispatch to the end of their response
+    live_ended_at: float = -math.inf  # time.monotonic() when the last of them ended
+
+    def live_started(self) -> None:
+        self.live_in_flight += 1
+
+    def live_ended(self) -> None:
+        self.live_in_flight -= 1
+        self.live_ended_at = time.monotonic()
+
+    def live_busy(self, quiet_seconds: float) -> bool:
+        """Live traffic is on this pool: a live request is in flight, or one ended less than `quiet_seconds` ago."""
+        return self.live_in_flight > 0 or time.monotonic() - self.live_ended_at < quiet_seconds
 
     def wait_seconds(self) -> float:
         return self.backlog_tokens / max(self.prefill_rate.value, 1.0)
@@ -105,3 +126,14 @@ class RoutePolicy:
                 if theirs < mine:
                     return Decision(other, "backlog", ratio)
         return Decision(chosen, "ratio", ratio)
+
+    def steer_batch(self, decision: Decision, pools: dict[str, PoolState], live_busy: Callable[[str], bool]) -> Decision:
+        """A batch line's route, away from live traffic: a line whose pool is live-busy moves to a ready pool
+        that is not, when that pool serves at least the line's quality (`STEER_TO`: SwiftKV -> base model,
+        never the reverse); a pinned line stays where the client sent it."""
+        to = STEER_TO.get(decision.pool)
+        if decision.reason == "pinned" or to not in pools or not pools[to].ready:
+            return decision
+        if not live_busy(decision.pool) or live_busy(to):
+            return decision
+        return Decision(to, "batch_steered", decision.ratio)

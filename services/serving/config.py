@@ -120,8 +120,16 @@ class BatchConfig(StrictModel):
 
     completion_windows: dict[str, float] = Field(default_factory=lambda: {"24h": 86400.0},
                                                  description="completion_window values accepted, in seconds (tests add short ones)")
-    max_in_flight: int = Field(8, ge=1, description="batch requests in flight per pool when no live request waits")
-    min_in_flight: int = Field(1, ge=0, description="floor of the bound: each live request waiting for its first token takes one slot away down to this")
+    max_in_flight: int = Field(8, ge=1, description="batch requests in flight per pool while the pool has no live traffic")
+    min_in_flight: int = Field(1, ge=0, description="batch requests in flight on a pool that is live-busy (see live_quiet_seconds). "
+                               "Lines that can move to a pool without live traffic are steered there anyway (SwiftKV pool -> "
+                               "base-model pool); this bound is for the others (lines pinned to the pool, lines of the base-model "
+                               "pool), which 0 would hold back for as long as live traffic lasts")
+    live_quiet_seconds: float = Field(5.0, ge=0, description="a pool stays live-busy this long after its last live request "
+                                      "ended: longer than the gap between the requests of steady interactive traffic, so batch "
+                                      "requests (which hold a slot for their whole run, seconds on CPU) do not fill the pool in "
+                                      "those gaps and meet the next live request; short enough that batch work is back at full "
+                                      "width seconds after live traffic stops")
     priority: int = Field(10, description="vLLM priority of batch requests (live: 0; lower runs first; used by engines with scheduling_policy=priority)")
     max_active_batches: int = Field(4, ge=1, description="batches one gateway process works at once")
     max_lines: int = Field(50_000, ge=1)
