@@ -54,12 +54,14 @@ def _check_machine(cfg, engine: str) -> None:
     local = {name: pool for name, pool in cfg.pools.items() if pool.backend == "engine"}
     if not local or (engine == "ray" and cfg.ray_address):
         return
-    from swiftkv_core.hardware import UnsupportedSetting, check_engine_args, vllm_on_cpu
+    from swiftkv_core.hardware import UnsupportedSetting, check_cpu_cores_fit, check_engine_args, vllm_on_cpu
 
     on_cpu = vllm_on_cpu()
     for name, pool in local.items():
         try:
             check_engine_args(pool.engine_args, on_cpu, f"pools.{name}.engine_args")
+            if on_cpu and engine == "inprocess":
+                check_cpu_cores_fit(pool.cpu_cores, f"pools.{name}.cpu_cores")
         except UnsupportedSetting as e:
             fail(str(e))
 

@@ -1,5 +1,5 @@
-"""What this machine's processor can run: its vector features, the dtype to compute in, and the engine
-settings it cannot run, decided before any engine starts.
+"""What this machine's processor can run: its vector features, the dtype to compute in, the engine
+settings it cannot run, and which cores each in-process engine computes on, decided before any engine starts.
 
 CPUs differ between the machines this project runs on. On an AVX2-only CPU a bfloat16 matmul is
 emulated (about 8x slower than float32) and vLLM's CPU FP8 KV-cache kernels do not exist (they need
@@ -8,6 +8,12 @@ is refused with a message that says what to use instead.
 
 `SWIFTKV_CPU_FEATURES` (comma-separated /proc/cpuinfo flags, e.g. `avx2,fma`) replaces the detected
 flags, so the branches for other CPUs run on any machine (the tests use it).
+
+On CPUs vLLM binds an engine's OpenMP compute threads to the cores named by VLLM_CPU_OMP_THREADS_BIND,
+read when the engine starts its processes. Its `auto` binds every engine with one worker to the first
+cores of the first NUMA node, less one core kept for the scheduler: two engines in one process (the
+platform's two pools) would compute on the same core. `plan_cpu_binding` gives each in-process engine its
+own cores instead (a pool's `cpu_cores`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import functools
 import logging
 import os
 import platform
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,3 +145,141 @@ def vllm_on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+# ---- CPU placement of in-process engines -----------------------------------------------------------------
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+_CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0,2-3' -> [0, 2, 3] (the kernel's and vLLM's notation); ValueError on anything else."""
+    text = text.strip()
+    if not _CPU_LIST.fullmatch(text):
+        raise ValueError(f"{text!r} is not a list of CPU ids such as 0, 0-3 or 0,2-3")
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        if last and int(last) < int(first):
+            raise ValueError(f"{part!r}: a range goes from the lower CPU id to the higher")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return sorted(cpus)
+
+
+def format_cpu_list(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for cpu in sorted(set(cpus)):
+        if runs and cpu == runs[-1][-1] + 1:
+            runs[-1].append(cpu)
+        else:
+            runs.append([cpu])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def check_cpu_cores(value: str, world_size: int = 1, where: str = "cpu_cores") -> str:
+    """The form of a pool's `cpu_cores`: `auto`, `nobind` (vLLM leaves the OpenMP threads unbound), or the
+    CPU ids an engine's OpenMP threads are bound to, one list per worker ('0-3|4-7' for tensor_parallel_size 2),
+    as VLLM_CPU_OMP_THREADS_BIND takes them. Whether this machine has those CPUs: `check_cpu_cores_fit`."""
+    value = str(value).strip()
+    if value in ("auto", "nobind"):
+        return value
+    lists = value.split("|")
+    for item in lists:
+        try:
+            parse_cpu_list(item)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}; use auto, nobind, or CPU ids (one list per worker, separated by |)") from None
+    if len(lists) != world_size:
+        raise ValueError(f"{where}: {value!r} names {len(lists)} CPU list(s), and the engine has {world_size} worker(s) "
+                         "(tensor_parallel_size x pipeline_parallel_size): give one list per worker, separated by |")
+    return value
+
+
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity mask: taskset, cgroup cpusets)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def check_cpu_cores_fit(value: str, where: str = "cpu_cores") -> None:
+    """Refuse CPU ids this process may not run on (an engine bound there would fail or never run)."""
+    if value in ("auto", "nobind"):
+        return
+    allowed = allowed_cpus()
+    missing = sorted({cpu for item in value.split("|") for cpu in parse_cpu_list(item)} - set(allowed))
+    if missing:
+        raise UnsupportedSetting(f"{where}: CPU {format_cpu_list(missing)} is not available here: this process may run on "
+                                 f"CPUs {format_cpu_list(allowed)}. Use CPU ids among those, auto, or nobind")
+
+
+def physical_cores(cpus: list[int]) -> list[list[int]]:
+    """`cpus` grouped by physical core (SMT siblings together), in the order of their lowest CPU id."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            key = (int((topology / "physical_package_id").read_text()), int((topology / "core_id").read_text()))
+        except (OSError, ValueError):
+            key = (-1, cpu)
+        groups.setdefault(key, []).append(cpu)
+    return sorted(sorted(group) for group in groups.values())
+
+
+def spread_cores(cores: list[list[int]], engines: int) -> tuple[list[list[int]], list[int]]:
+    """Split physical cores (lists of sibling CPUs) between `engines`: each gets a contiguous block of whole cores
+    and computes with one OpenMP thread per core (its lowest sibling), as vLLM's own binding does on x86. With
+    more cores than engines the last core is kept for the engines' schedulers and the gateway (vLLM's `auto`
+    keeps one as well); with fewer, engine i shares core i mod n. -> (CPU ids per engine, reserved CPU ids)."""
+    reserved: list[int] = []
+    if len(cores) > engines:
+        reserved, cores = cores[-1], cores[:-1]
+    n = len(cores)
+    if n < engines:
+        return [[cores[i % n][0]] for i in range(engines)], reserved
+    return [[core[0] for core in cores[i * n // engines:(i + 1) * n // engines]] for i in range(engines)], reserved
+
+
+def plan_cpu_binding(cpu_cores: dict[str, str], world_sizes: dict[str, int], on_cpu: bool,
+                     cpus: list[int] | None = None) -> dict[str, str | None]:
+    """VLLM_CPU_OMP_THREADS_BIND for each in-process engine (pool name -> its `cpu_cores`), or None to leave the
+    environment as it is (GPUs; one engine with `auto`: vLLM's own binding, or the operator's variable).
+
+    `auto` engines share the CPUs of this process that no explicit list takes, each with its own cores
+    (`spread_cores`) when there are several; explicit lists and `nobind` pass through unchanged."""
+    if not on_cpu:
+        return {name: None for name in cpu_cores}
+    plan: dict[str, str | None] = {}
+    for name, value in cpu_cores.items():
+        check_cpu_cores_fit(value, f"pools.{name}.cpu_cores")
+        plan[name] = None if value == "auto" else value
+        if value != "auto":
+            log.info("pool %s: cpu_cores %s (%s)", name, value, cpu_info().summary())
+    auto = [name for name, value in cpu_cores.items() if value == "auto"]
+    if not auto:
+        return plan
+    if os.environ.get(BIND_ENV):
+        for name in auto:
+            log.info("pool %s: cpu_cores auto -> %s=%s from the environment", name, BIND_ENV, os.environ[BIND_ENV])
+        return plan
+    if len(cpu_cores) == 1:
+        log.info("pool %s: cpu_cores auto -> vLLM's own binding (one in-process engine; %s)", auto[0], cpu_info().summary())
+        return plan
+    wide = [name for name in auto if world_sizes.get(name, 1) > 1]
+    if wide:
+        log.warning("pools %s: cpu_cores auto with several workers per engine: vLLM's own binding, which may put engines on "
+                    "the same cores; give each pool its cpu_cores (one list per worker, separated by |)", ", ".join(wide))
+        return plan
+    cpus = allowed_cpus() if cpus is None else cpus
+    taken = {cpu for name, value in cpu_cores.items() if value not in ("auto", "nobind")
+             for item in value.split("|") for cpu in parse_cpu_list(item)}
+    cores = physical_cores(cpus)
+    free = [core for core in cores if not taken & set(core)] or cores
+    shares, reserved = spread_cores(free, len(auto))
+    for name, share in zip(auto, shares):
+        plan[name] = format_cpu_list(share)
+        log.info("pool %s: cpu_cores auto -> %s (%d in-process engines on %d cores of CPUs %s%s; %s)", name, plan[name],
+                 len(cpu_cores), len(cores), format_cpu_list(cpus),
+                 f"; CPU {format_cpu_list(reserved)} left to the schedulers and the gateway" if reserved else "",
+                 cpu_info().summary())
+    return plan

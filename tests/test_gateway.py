@@ -157,6 +157,38 @@ def test_health_ready_and_models(server, client):
     assert ids == {PUBLIC, f"{PUBLIC}-prefill", f"{PUBLIC}-decode"}
 
 
+def test_each_engine_computes_on_its_own_cores(server):
+    """On CPUs (cpu_cores auto, two in-process engines), each engine core process starts with its own
+    VLLM_CPU_OMP_THREADS_BIND (as vLLM logs it), its worker's OpenMP threads are bound to exactly those CPUs,
+    and the two engines' CPUs differ when the gateway may use two or more; schedulers keep the whole mask."""
+    import psutil
+
+    from swiftkv_core.hardware import BIND_ENV, parse_cpu_list
+
+    if os.environ.get(BIND_ENV):
+        pytest.skip(f"{BIND_ENV} set for this run: the operator's binding wins over cpu_cores auto")
+    serve = psutil.Process(SERVERS[server].pid)
+    log = (Path(SERVERS[server].args[3]).parent / "serve.log").read_text()  # launch(): work/platform.yaml, work/serve.log
+    # (EngineCore pid=N) ... VLLM_CPU_OMP_THREADS_BIND='0-1', ...: the value each engine core process started with
+    binds = {int(pid): value for pid, value in re.findall(r"\(EngineCore pid=(\d+)\).*VLLM_CPU_OMP_THREADS_BIND='([^']*)'", log)}
+    planned = re.findall(r"pool (prefill|decode): cpu_cores auto -> ([\d,-]+) \(2 in-process engines", log)
+    assert sorted(name for name, _ in planned) == ["decode", "prefill"]
+    allowed = set(serve.cpu_affinity())
+    cores = [p for p in serve.children() if "EngineCor" in p.name()]
+    assert len(cores) == 2
+    shares = []
+    for core in cores:
+        cpus = parse_cpu_list(binds[core.pid])
+        (worker,) = [p for p in core.children() if "Worker" in p.name()]
+        assert worker.cpu_affinity() == cpus
+        assert set(core.cpu_affinity()) == allowed
+        shares.append(set(cpus))
+    assert sorted(binds[core.pid] for core in cores) == sorted(value for _, value in planned)
+    assert shares[0] | shares[1] <= allowed
+    if len(allowed) >= 2:
+        assert not shares[0] & shares[1]
+
+
 def test_chat_completion(client):
     raw = client.chat.completions.with_raw_response.create(
         model=PUBLIC, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is SwiftKV?"}],

@@ -11,13 +11,22 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.serving.config import load_config
 from swiftkv_core.hardware import (
+    BIND_ENV,
     FEATURES_ENV,
     UnsupportedSetting,
+    allowed_cpus,
+    check_cpu_cores,
+    check_cpu_cores_fit,
     check_engine_args,
     cpu_info,
     engine_args_for_machine,
+    format_cpu_list,
+    parse_cpu_list,
+    plan_cpu_binding,
     resolve_dtype,
+    spread_cores,
 )
 
 AVX2_ONLY = "avx2,fma"
@@ -90,3 +99,109 @@ def test_serve_refuses_fp8_kv_on_a_cpu_without_avx512(tmp_path, tiny_base, tiny_
     assert proc.returncode == 2, proc.stderr
     assert "pools.prefill.engine_args.kv_cache_dtype: fp8 needs a CPU with AVX-512 or AMX" in proc.stderr
     assert "Traceback" not in proc.stderr and "EngineCore" not in proc.stderr
+
+
+# ---- CPU placement (cpu_cores) ------------------------------------------------------------------------------
+# That each in-process engine's worker really computes on its cores: test_gateway.py, on the platform's engines.
+
+
+def _pools_yaml(tmp_path: Path, cpu_cores, engine_args: dict | None = None) -> Path:
+    path = tmp_path / "cores.yaml"
+    pool = {"model": "m", "cpu_cores": cpu_cores, "engine_args": engine_args or {}}
+    path.write_text(yaml.safe_dump({"pools": {"decode": pool}}))
+    return path
+
+
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("nobind", "nobind"), ("0-1", "0-1"), (1, "1"), (" 0,2-3 ", "0,2-3")])
+def test_cpu_cores_forms_accepted_at_config_load(tmp_path, value, expected):
+    assert load_config(_pools_yaml(tmp_path, value)).pools["decode"].cpu_cores == expected
+
+
+@pytest.mark.parametrize(
+    "value, engine_args, says",
+    [
+        ("all", {}, "'all' is not a list of CPU ids"),
+        ("0-", {}, "is not a list of CPU ids"),
+        ("3-1", {}, "from the lower CPU id to the higher"),
+        ("", {}, "is not a list of CPU ids"),
+        ("0|1", {}, "names 2 CPU list(s), and the engine has 1 worker(s)"),
+        ("0", {"tensor_parallel_size": 2}, "names 1 CPU list(s), and the engine has 2 worker(s)"),
+        (True, {}, "valid string"),
+    ],
+)
+def test_malformed_cpu_cores_are_refused_at_config_load(tmp_path, value, engine_args, says):
+    with pytest.raises(ValueError) as e:
+        load_config(_pools_yaml(tmp_path, value, engine_args))
+    assert "cpu_cores" in str(e.value) and says in str(e.value)
+
+
+def test_cpu_lists_round_trip():
+    assert parse_cpu_list("5,0-2") == [0, 1, 2, 5]
+    assert format_cpu_list([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+    check_cpu_cores("0-3|4-7", world_size=2)
+
+
+def test_cpu_ids_outside_this_process_are_refused():
+    allowed = allowed_cpus()
+    check_cpu_cores_fit(format_cpu_list(allowed))
+    outside = max(allowed) + 1
+    with pytest.raises(UnsupportedSetting) as e:
+        check_cpu_cores_fit(f"0|{outside}", "pools.decode.cpu_cores")
+    assert str(e.value).startswith(f"pools.decode.cpu_cores: CPU {outside} is not available here")
+    assert f"CPUs {format_cpu_list(allowed)}" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "cores, engines, shares, reserved",
+    [
+        ([[0], [1]], 2, [[0], [1]], []),  # 2 cores, 2 engines: one core each, none left over
+        ([[0], [1]], 3, [[0], [1], [0]], []),  # more engines than cores: they share
+        ([[0]], 2, [[0], [0]], []),
+        ([[i] for i in range(8)], 2, [[0, 1, 2], [3, 4, 5, 6]], [7]),  # one core left to schedulers and the gateway
+        ([[0, 8], [1, 9], [2, 10], [3, 11], [4, 12]], 2, [[0, 1], [2, 3]], [4, 12]),  # SMT: whole cores, one thread each
+    ],
+)
+def test_engines_get_their_own_cores(cores, engines, shares, reserved):
+    assert spread_cores(cores, engines) == (shares, reserved)
+
+
+def test_binding_plan(monkeypatch, caplog):
+    monkeypatch.delenv(BIND_ENV, raising=False)
+    monkeypatch.setenv(FEATURES_ENV, AVX2_ONLY)
+    cpus = allowed_cpus()
+    both = {"prefill": "auto", "decode": "auto"}
+    assert plan_cpu_binding(both, {}, on_cpu=False) == {"prefill": None, "decode": None}  # GPUs: untouched
+    assert plan_cpu_binding({"decode": "auto"}, {}, on_cpu=True) == {"decode": None}  # one engine: vLLM's own binding
+    with caplog.at_level("INFO", logger="swiftkv.hardware"):
+        plan = plan_cpu_binding(both, {}, on_cpu=True)
+    assert set(plan) == set(both) and all(plan.values())
+    shares = [set(parse_cpu_list(plan[name])) for name in both]
+    assert shares[0] | shares[1] <= set(cpus)
+    assert len(cpus) < 2 or not shares[0] & shares[1]
+    assert f"pool prefill: cpu_cores auto -> {plan['prefill']} (2 in-process engines" in caplog.text
+    assert "vector flags (from SWIFTKV_CPU_FEATURES): avx2 fma" in caplog.text  # logged with the CPU, like dtype auto
+    # An explicit list passes through and the auto engine gets the rest; nobind claims nothing.
+    assert plan_cpu_binding({"prefill": str(cpus[0]), "decode": "auto"}, {}, on_cpu=True, cpus=[0, 1]) == {"prefill": "0", "decode": "1"}
+    assert plan_cpu_binding({"prefill": "nobind", "decode": "auto"}, {}, on_cpu=True, cpus=[0, 1, 2]) == {"prefill": "nobind", "decode": "0-1"}
+    # Several workers per engine: vLLM's own binding (one list per worker is the operator's to give).
+    assert plan_cpu_binding(both, {"decode": 2}, on_cpu=True) == {"prefill": None, "decode": None}
+    # The operator's VLLM_CPU_OMP_THREADS_BIND wins over auto.
+    monkeypatch.setenv(BIND_ENV, "nobind")
+    assert plan_cpu_binding(both, {}, on_cpu=True) == {"prefill": None, "decode": None}
+
+
+def test_serve_refuses_cpu_cores_this_machine_lacks(tmp_path, tiny_base):
+    """`swiftkv serve --engine inprocess` with CPU ids outside its affinity mask exits with the reason before any
+    engine starts; garbage is refused as an invalid config."""
+    outside = max(allowed_cpus()) + 6
+    swiftkv = Path(sys.executable).with_name("swiftkv")
+    for value, says in ((outside, f"pools.decode.cpu_cores: CPU {outside} is not available here"),
+                        ("cores please", "cpu_cores: 'cores please' is not a list of CPU ids")):
+        config = tmp_path / "platform.yaml"
+        config.write_text(yaml.safe_dump({"model": "tiny", "port": 0, "pools": {
+            "decode": {"model": str(tiny_base), "cpu_cores": value, "engine_args": {"max_model_len": 256}}}}))
+        proc = subprocess.run([str(swiftkv), "serve", "--config", str(config), "--engine", "inprocess"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert says in proc.stderr
+        assert "Traceback" not in proc.stderr and "EngineCore" not in proc.stderr

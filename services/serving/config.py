@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from swiftkv_core.hardware import check_cpu_cores
 
 DEFAULT_CONFIG = """\
 # Served by `swiftkv serve` when no --config is given (and by `swiftkv demo`).
 # dtype auto: the model's dtype on GPUs; on CPUs bfloat16 only with native bf16 (AVX-512 BF16 or AMX), else float32.
+# cpu_cores auto (every pool's default): on CPUs each in-process engine computes on its own cores.
 # scheduling_policy priority: Batch API requests (lower priority) run after live ones.
 model: swiftkv-smollm2            # the public name; requests for it are routed between the pools
 host: 127.0.0.1
@@ -73,6 +76,15 @@ class PoolConfig(StrictModel):
                                 "the gateway attaches to it by name instead of deploying its own (--engine ray, with ray_address)")
     tool_call_parser: str | None = Field(None, description="vLLM tool-call parser for this model's tool-call format "
                                          "(e.g. hermes); without one, tool_choice auto is refused")
+    cpu_cores: str = Field("auto", description="on a CPU machine, the CPUs an in-process engine's OpenMP compute threads are "
+                           "bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto (several in-process engines: each its own "
+                           "cores; one: vLLM's own binding), nobind, or CPU ids such as 0, 0-3 or 0,2 (one list per worker, "
+                           "separated by |); Ray replicas and GPUs keep vLLM's own")
+
+    @field_validator("cpu_cores", mode="before")
+    @classmethod
+    def _cpu_id_as_text(cls, v):  # `cpu_cores: 1` in YAML is a number
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _remote_needs_url(self) -> "PoolConfig":
@@ -80,7 +92,13 @@ class PoolConfig(StrictModel):
             raise ValueError("a remote pool needs `url`")
         if self.backend == "remote" and self.ray_app:
             raise ValueError("`ray_app` is for engine pools on Ray; a remote pool is reached at its `url`")
+        self.cpu_cores = check_cpu_cores(self.cpu_cores, self.engine_workers)
         return self
+
+    @property
+    def engine_workers(self) -> int:
+        """Worker processes of one engine (tensor x pipeline parallel), each with its own CPU list."""
+        return int(self.engine_args.get("tensor_parallel_size") or 1) * int(self.engine_args.get("pipeline_parallel_size") or 1)
 
 
 class RoutingConfig(StrictModel):

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 import time
+from contextlib import contextmanager
 from typing import Any, AsyncIterator
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -106,12 +109,39 @@ def _logprobs(token_ids, entries, k: int) -> list[TokenLogprob]:
     return result
 
 
+_spawn_env = threading.Lock()
+
+
+@contextmanager
+def cpu_binding(bind: str | None):
+    """VLLM_CPU_OMP_THREADS_BIND = `bind` while an engine starts (None: the environment as it is). vLLM reads it in
+    the engine core process, which starts with this process's environment when the AsyncLLM is built; the lock
+    keeps two engines starting at once (restarts) from seeing each other's value."""
+    from swiftkv_core.hardware import BIND_ENV
+
+    if bind is None:
+        yield
+        return
+    with _spawn_env:
+        before = os.environ.get(BIND_ENV)
+        os.environ[BIND_ENV] = bind
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(BIND_ENV, None)
+            else:
+                os.environ[BIND_ENV] = before
+
+
 class VLLMEngine:
-    """Owns one AsyncLLM. `start()` builds it (off the event loop) and runs a warm-up generation."""
+    """Owns one AsyncLLM. `start()` builds it (off the event loop) and runs a warm-up generation. `cpu_bind`: the
+    VLLM_CPU_OMP_THREADS_BIND its workers start with (`hardware.plan_cpu_binding`); None leaves vLLM's."""
 
     def __init__(self, name: str, model: str, served_model_name: str, engine_args: dict[str, Any], warmup: bool = True,
-                 stat_loggers: list | None = None):
+                 stat_loggers: list | None = None, cpu_bind: str | None = None):
         self.name = name
+        self.cpu_bind = cpu_bind
         self.stat_loggers = stat_loggers
         self.model = model
         self.served_model_name = served_model_name
@@ -128,7 +158,8 @@ class VLLMEngine:
 
         engine_args = engine_args_for_machine(self.engine_args, vllm_on_cpu(), f"pools.{self.name}.engine_args")
         args = AsyncEngineArgs(model=self.model, served_model_name=[self.served_model_name], **engine_args)
-        return AsyncLLM.from_engine_args(args, stat_loggers=self.stat_loggers)
+        with cpu_binding(self.cpu_bind):
+            return AsyncLLM.from_engine_args(args, stat_loggers=self.stat_loggers)
 
     async def start(self, adopt_metrics: bool = False) -> None:
         t0 = time.perf_counter()
