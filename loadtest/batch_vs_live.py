@@ -4,12 +4,12 @@ One `swiftkv serve` (the embedded default config unless --config: SmolLM2 SwiftK
 engines, priority scheduling) is started with a fresh data dir. A steady trickle of live streamed chat
 requests is sent twice, at the same times and with the same prompts:
   idle   on the idle platform;
-  busy   while a batch of prompt-heavy lines (10:1, real held-out text) keeps the engines busy.
+  busy   while a batch of prompt-heavy lines (1,000-token windows of held-out text, 10:1) keeps the engines busy.
 Reported: live TTFT p50/p99 in both phases and their ratio (target: p50 within 1.25x), and the batch's
 throughput (prompt + output tokens of its lines over its in-progress time, from the Batch object's
 timestamps and the output file's usage).
 
-    .venv/bin/python loadtest/batch_vs_live.py [--lines 120] [--live 40] [--interval 3] [--json out.json]
+    .venv/bin/python -m loadtest.batch_vs_live [--lines 200] [--live 40] [--interval 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,15 +42,21 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def documents(text: str, tokenizer_dir: str, n: int, min_tokens: int, max_tokens: int) -> list[str]:
-    from transformers import AutoTokenizer
-
+def documents(text: str, tokenizer, n: int, min_tokens: int, max_tokens: int) -> list[str]:
+    """Whole held-out documents of min-max tokens (the live prompts)."""
     from swiftkv_core.evaluate import long_documents
 
-    docs = long_documents(text, AutoTokenizer.from_pretrained(tokenizer_dir), n, min_tokens, max_tokens)
+    docs = long_documents(text, tokenizer, n, min_tokens, max_tokens)
     if len(docs) < n:
         raise SystemExit(f"{text} holds only {len(docs)} documents of {min_tokens}-{max_tokens} tokens, {n} needed")
     return docs
+
+
+def windows(text: str, tokenizer, n: int, tokens: int) -> list[str]:
+    """n windows of exactly `tokens` tokens of held-out text (the batch lines: more than the text has whole documents of that size)."""
+    from loadtest.workloads import fixed
+
+    return [r.document for r in fixed(text, tokenizer, 1.0, n, tokens, 1)]
 
 
 def chat(doc: str) -> list[dict]:
@@ -81,13 +87,11 @@ def ttft_summary(xs: list[float]) -> dict:
     return {"n": len(xs), "p50_s": round(statistics.median(xs), 4), "p99_s": round(pct(xs, 99), 4), "mean_s": round(statistics.fmean(xs), 4)}
 
 
-async def measure(args, base: str) -> dict:
+async def measure(args, base: str, live_docs: list[str], batch_docs: list[str]) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
-    live_docs = documents(args.text, args.tokenizer, args.live, args.live_min_tokens, args.live_max_tokens)
-    batch_docs = documents(args.text, args.tokenizer, args.lines, args.batch_min_tokens, args.batch_max_tokens)
 
     await trickle(client, model, live_docs[:2], 0.0, args.live_output_tokens)  # warm both code paths
     idle = await trickle(client, model, live_docs, args.interval, args.live_output_tokens)
@@ -130,9 +134,8 @@ def main() -> None:
     ap.add_argument("--config", help="platform config (default: the embedded one, SmolLM2 SwiftKV + base)")
     ap.add_argument("--text", default="data/mix/heldout.jsonl", help="held-out text the prompts are cut from")
     ap.add_argument("--tokenizer", default="models/smollm2-135m-instruct")
-    ap.add_argument("--lines", type=int, default=120, help="batch lines (held-out text holds about 130 documents of 900-1,100 tokens)")
-    ap.add_argument("--batch-min-tokens", type=int, default=900)
-    ap.add_argument("--batch-max-tokens", type=int, default=1100)
+    ap.add_argument("--lines", type=int, default=200, help="batch lines")
+    ap.add_argument("--batch-prompt-tokens", type=int, default=1000, help="each line's document: a window of this many tokens of held-out text")
     ap.add_argument("--batch-output-tokens", type=int, default=100)
     ap.add_argument("--live", type=int, default=40, help="live requests per phase")
     ap.add_argument("--interval", type=float, default=3.0, help="seconds between live requests")
@@ -142,8 +145,13 @@ def main() -> None:
     ap.add_argument("--json", dest="json_out", help="also write the result to this file")
     args = ap.parse_args()
 
+    from transformers import AutoTokenizer
+
     from swiftkv_core.hardware import cpu_info
 
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)  # the prompts first: a text too short fails before any engine starts
+    live_docs = documents(args.text, tokenizer, args.live, args.live_min_tokens, args.live_max_tokens)
+    batch_docs = windows(args.text, tokenizer, args.lines, args.batch_prompt_tokens)
     load = os.getloadavg()[0]
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -166,7 +174,7 @@ def main() -> None:
                 except httpx.HTTPError:
                     pass
                 time.sleep(2)
-            result = asyncio.run(measure(args, base))
+            result = asyncio.run(measure(args, base, live_docs, batch_docs))
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
