@@ -139,7 +139,7 @@ def _serve(cfg, engine: str, keys_file: str | None, batch, ray_metrics_port: int
     if sock is not None:
         signal.signal(signal.SIGINT, lambda *_: None)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, http=edge_protocol(cfg.limits),
-                            timeout_graceful_shutdown=cfg.health.shutdown_grace_seconds)
+                            timeout_keep_alive=cfg.limits.keep_alive_seconds, timeout_graceful_shutdown=cfg.health.shutdown_grace_seconds)
     server = uvicorn.Server(config)
     server.run(sockets=None if sock is None else [sock])
     if not server.started:  # e.g. the port is taken: uvicorn has logged why

@@ -179,6 +179,33 @@ def test_slow_headers_and_slow_bodies_time_out(edge_server):
     print(f"\nslow headers and body: 408 after {took:.1f} s")
 
 
+def one_response(sock: socket.socket) -> bytes:
+    """Read one response with a Content-Length body, leaving the connection open."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head
+
+
+def test_an_idle_keep_alive_connection_is_left_for_the_client_to_close(edge_server):
+    # httpx and most HTTP clients expire idle pooled connections after 5 s, uvicorn's own default; a server
+    # closing at the same moment resets a request sent on the connection. The gateway waits limits.keep_alive_seconds.
+    port = int(edge_server.rsplit(":", 1)[1])
+    s = socket.create_connection(("127.0.0.1", port))
+    s.settimeout(10)
+    request = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode()
+    s.sendall(request)
+    assert one_response(s).startswith(b"HTTP/1.1 200")
+    time.sleep(7)  # idle: past uvicorn's 5 s and past limits.header_timeout_seconds (2 s here), which times headers only
+    s.sendall(request)
+    assert one_response(s).startswith(b"HTTP/1.1 200")
+    s.close()
+
+
 def test_concurrency_cap_answers_503_with_retry_after(client, edge_server):
     """Three requests whose bodies are still on their way hold the three slots (a request holds one from its
     headers to its last response byte); the fourth is refused at once."""

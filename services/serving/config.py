@@ -125,6 +125,9 @@ class LimitsConfig(StrictModel):
     header_timeout_seconds: float = Field(10.0, gt=0, description="from a connection's (or request's) first byte to the end of "
                                           "its headers; a client still sending them is disconnected")
     body_timeout_seconds: float = Field(30.0, gt=0, description="to receive a whole request body; a slower one is a 408")
+    keep_alive_seconds: float = Field(75.0, gt=0, description="an idle keep-alive connection is closed after this; longer than "
+                                      "clients' and load balancers' own idle expiry (httpx 5 s, ALB 60 s), so the client, "
+                                      "never the gateway, closes it: a close racing a request on the connection resets it")
     send_timeout_seconds: float = Field(30.0, gt=0, description="a client that reads nothing of its response for this long "
                                         "is disconnected and its engine request aborted")
     max_prompt_tokens: int | None = Field(None, ge=1, description="default: the smallest max_model_len of the pools")
