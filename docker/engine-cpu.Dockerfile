@@ -20,15 +20,18 @@ RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu -c requir
     && pip uninstall -y torchvision torchaudio torchcodec
 
 FROM ${PYTHON_IMAGE}
-# libgomp/libnuma: vLLM's CPU kernels; util-linux: flock for the models init container
+# libgomp/libnuma: vLLM's CPU kernels; tcmalloc: the allocator vLLM asks for on CPU (preloaded below, for Ray
+# replicas too); util-linux: flock for the models init container
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends libgomp1=12.2.0-14+deb12u1 libnuma1=2.0.16-1 util-linux=2.38.1-5+deb12u3 \
+    && apt-get install -y --no-install-recommends libgomp1=12.2.0-14+deb12u1 libnuma1=2.0.16-1 libtcmalloc-minimal4=2.10-1 \
+       util-linux=2.38.1-5+deb12u3 \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --uid 1000 --user-group --create-home --home-dir /home/swiftkv swiftkv \
     && mkdir -p /var/lib/swiftkv /models && chown 1000:1000 /var/lib/swiftkv /models
 COPY --from=build /opt/venv /opt/venv
 COPY deploy/ray/swiftkv_ray_app.py /opt/swiftkv/swiftkv_ray_app.py
-ENV PATH=/opt/venv/bin:$PATH PYTHONPATH=/opt/swiftkv PYTHONUNBUFFERED=1 SWIFTKV_DATA_DIR=/var/lib/swiftkv
+ENV PATH=/opt/venv/bin:$PATH PYTHONPATH=/opt/swiftkv PYTHONUNBUFFERED=1 SWIFTKV_DATA_DIR=/var/lib/swiftkv \
+    LD_PRELOAD=libtcmalloc_minimal.so.4
 USER 1000:1000
 WORKDIR /home/swiftkv
 EXPOSE 8000

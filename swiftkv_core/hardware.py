@@ -14,6 +14,10 @@ read when the engine starts its processes. Its `auto` binds every engine with on
 cores of the first NUMA node, less one core kept for the scheduler: two engines in one process (the
 platform's two pools) would compute on the same core. `plan_cpu_binding` gives each in-process engine its
 own cores instead (a pool's `cpu_cores`).
+
+vLLM on CPU asks for tcmalloc in LD_PRELOAD and preloads a copy it bundles in some builds; with glibc's
+malloc an engine's RSS kept growing through a 30-minute soak (RELIABILITY.md). `preload_tcmalloc` puts the
+operating system's tcmalloc there before in-process engines start, where it is installed.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 log = logging.getLogger("swiftkv.hardware")
 
 FEATURES_ENV = "SWIFTKV_CPU_FEATURES"
+ALLOCATOR_ENV = "SWIFTKV_CPU_ALLOCATOR"  # "system": leave LD_PRELOAD alone (glibc malloc)
 # The flags that decide dtype and kernels, in the order they are reported.
 VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
@@ -283,3 +288,26 @@ def plan_cpu_binding(cpu_cores: dict[str, str], world_sizes: dict[str, int], on_
                  f"; CPU {format_cpu_list(reserved)} left to the schedulers and the gateway" if reserved else "",
                  cpu_info().summary())
     return plan
+
+
+def preload_tcmalloc() -> str | None:
+    """Prepend the system's tcmalloc to LD_PRELOAD, read by the engine processes started after this call (vLLM does
+    the same with its bundled copy). Nothing changes when LD_PRELOAD already names a tcmalloc, when
+    SWIFTKV_CPU_ALLOCATOR=system, or when none is installed (Debian/Ubuntu: libtcmalloc-minimal4). -> what was added."""
+    import ctypes.util
+
+    current = os.environ.get("LD_PRELOAD", "")
+    if "libtcmalloc" in current:
+        log.info("engines on CPU: tcmalloc from LD_PRELOAD (%s)", current)
+        return None
+    if os.environ.get(ALLOCATOR_ENV, "auto") == "system":
+        log.info("engines on CPU: glibc malloc (%s=system)", ALLOCATOR_ENV)
+        return None
+    lib = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    if lib is None:
+        log.warning("engines on CPU: glibc malloc; install tcmalloc (Debian/Ubuntu: libtcmalloc-minimal4), which vLLM "
+                    "recommends: with glibc an engine's memory grows under long mixed traffic")
+        return None
+    os.environ["LD_PRELOAD"] = f"{lib}:{current}" if current else lib
+    log.info("engines on CPU: tcmalloc preloaded (LD_PRELOAD=%s; %s=system keeps glibc malloc)", os.environ["LD_PRELOAD"], ALLOCATOR_ENV)
+    return lib

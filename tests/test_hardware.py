@@ -13,6 +13,7 @@ import yaml
 
 from services.serving.config import load_config
 from swiftkv_core.hardware import (
+    ALLOCATOR_ENV,
     BIND_ENV,
     FEATURES_ENV,
     UnsupportedSetting,
@@ -25,6 +26,7 @@ from swiftkv_core.hardware import (
     format_cpu_list,
     parse_cpu_list,
     plan_cpu_binding,
+    preload_tcmalloc,
     resolve_dtype,
     spread_cores,
 )
@@ -205,3 +207,30 @@ def test_serve_refuses_cpu_cores_this_machine_lacks(tmp_path, tiny_base):
         assert proc.returncode == 2, proc.stderr
         assert says in proc.stderr
         assert "Traceback" not in proc.stderr and "EngineCore" not in proc.stderr
+
+
+def test_tcmalloc_preload(monkeypatch, caplog):
+    """The system's tcmalloc goes first in LD_PRELOAD, unless one is already there or SWIFTKV_CPU_ALLOCATOR=system;
+    without one installed, LD_PRELOAD stays and the log says what to install."""
+    import ctypes.util
+
+    caplog.set_level("INFO", logger="swiftkv.hardware")
+    monkeypatch.delenv(ALLOCATOR_ENV, raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libother.so")
+    installed = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    added = preload_tcmalloc()
+    assert added == installed
+    assert os.environ["LD_PRELOAD"] == (f"{installed}:/opt/libother.so" if installed else "/opt/libother.so")
+    assert ("tcmalloc preloaded" if installed else "install tcmalloc") in caplog.text
+    assert preload_tcmalloc() is None  # already there: nothing added twice
+
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc.so.4")
+    assert preload_tcmalloc() is None and os.environ["LD_PRELOAD"] == "/usr/lib/libtcmalloc.so.4"
+    monkeypatch.delenv("LD_PRELOAD")
+    monkeypatch.setenv(ALLOCATOR_ENV, "system")
+    assert preload_tcmalloc() is None and "LD_PRELOAD" not in os.environ
+
+    monkeypatch.delenv(ALLOCATOR_ENV)
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)  # a machine without it
+    assert preload_tcmalloc() is None and "LD_PRELOAD" not in os.environ
+    assert "libtcmalloc-minimal4" in caplog.text

@@ -14,7 +14,8 @@ log = logging.getLogger("swiftkv.pools")
 
 
 def cpu_binds(cfg: PlatformConfig, engine: EngineKind) -> dict[str, str | None]:
-    """VLLM_CPU_OMP_THREADS_BIND per in-process engine pool, from each pool's `cpu_cores` (vLLM's own elsewhere)."""
+    """VLLM_CPU_OMP_THREADS_BIND per in-process engine pool, from each pool's `cpu_cores` (vLLM's own elsewhere);
+    on CPUs tcmalloc goes into LD_PRELOAD first, for the engine processes about to start."""
     engines = {name: pool for name, pool in cfg.pools.items() if pool.backend == "engine"}
     if engine != "inprocess":
         for name, pool in engines.items():
@@ -23,8 +24,10 @@ def cpu_binds(cfg: PlatformConfig, engine: EngineKind) -> dict[str, str | None]:
         return {}
     if not engines:
         return {}
-    from swiftkv_core.hardware import plan_cpu_binding, vllm_on_cpu
+    from swiftkv_core.hardware import plan_cpu_binding, preload_tcmalloc, vllm_on_cpu
 
+    if vllm_on_cpu():
+        preload_tcmalloc()
     return plan_cpu_binding({name: p.cpu_cores for name, p in engines.items()}, {name: p.engine_workers for name, p in engines.items()},
                             vllm_on_cpu())
 
