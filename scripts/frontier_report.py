@@ -4,8 +4,11 @@
 
 Reads, per row, RUNS/ROW/{summary.json, metrics.jsonl, eval-heldout.json, eval-heldout_manpages.json} and
 RUNS/speed-lL-gG.json (`swiftkv bench engine`); where a layout has no engine measurement the FLOPs bound of
-`swiftkv analyze flops` (2,000-token prompts) is shown instead, marked "bound". Prints the Markdown table and
-writes OUT/frontier.png (quality against prefill speed-up) and OUT/learning-curves.png.
+`swiftkv analyze flops` (2,000-token prompts) is shown instead, marked "bound". Rows are trained on several
+machines and runs/ is not kept, so each finished row's figures and learning curve are recorded in
+OUT/frontier-rows.json (a row in RUNS replaces its record) and the table and plots are drawn from all recorded
+rows. Prints the Markdown table and writes OUT/frontier.png (quality against prefill speed-up) and
+OUT/learning-curves.png.
 """
 
 from __future__ import annotations
@@ -34,17 +37,45 @@ def speedup(runs: Path, l: int, g: int, config: dict) -> tuple[float, str]:
     return flops_report(shape, 2000, l, g)["max_prefill_speedup"], "bound"
 
 
+EVAL_KEYS = ("top1_agreement", "kl", "ppl_ratio", "greedy_exact_match", "greedy_token_agreement",
+             "long_teacher_forced_agreement", "long_rouge_l")
+
+
+def _figures(d: dict | None) -> dict | None:
+    return {k: d[k] for k in EVAL_KEYS if k in d} if d else None
+
+
+def _machine(summary: dict) -> str:
+    m = summary.get("machine")
+    if not m:
+        return "-"
+    kind = "AMX" if m.get("amx") else "AVX-512" if m.get("avx512") else "AVX2"
+    return f"{m['cpu_model']}, {kind}, {'bf16' if summary.get('precision') == 'bf16' else 'float32'}"
+
+
 def rows(runs: Path) -> list[dict]:
+    """One compact record per finished row in RUNS: everything the table and plots need."""
     out = []
+    if not runs.is_dir():
+        return out
     for run in sorted(p for p in runs.iterdir() if (p / "summary.json").exists() and (p / "run.json").exists()):
         cfg, summary = _load(run / "run.json"), _load(run / "summary.json")
         model_cfg = _load(run / "config.json") or {}
         l, g = cfg["num_key_value_layers"], cfg["key_value_group_size"]
         s, how = speedup(runs, l, g, model_cfg)
-        out.append({"name": run.name, "l": l, "g": g, "cfg": cfg, "summary": summary, "speedup": s, "speedup_how": how,
-                    "heldout": _load(run / "eval-heldout.json"), "manpages": _load(run / "eval-heldout_manpages.json"),
-                    "curve": [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]})
+        curve = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        out.append({"name": run.name, "l": l, "g": g, "init": cfg["init"], "temperature": cfg["temperature"],
+                    "tokens": summary["tokens"], "train_tok_s": summary["tokens_per_second"], "machine": _machine(summary),
+                    "speedup": s, "speedup_how": how,
+                    "heldout": _figures(_load(run / "eval-heldout.json")), "manpages": _figures(_load(run / "eval-heldout_manpages.json")),
+                    "curve": [[p["tokens"], round(p["kl"], 5)] for p in curve if "kl" in p]})
     return out
+
+
+def merged(recorded: list[dict], fresh: list[dict]) -> list[dict]:
+    """The recorded rows with those found in RUNS put in their place (by name), ordered by layout."""
+    by_name = {r["name"]: r for r in recorded} | {r["name"]: r for r in fresh}
+    return sorted(by_name.values(), key=lambda r: (r["l"], r["g"], r["name"]))
 
 
 def _f(d: dict | None, key: str, fmt: str = "{:.3f}") -> str:
@@ -58,11 +89,11 @@ def table(rs: list[dict]) -> str:
     for r in rs:
         h, m = r["heldout"], r["manpages"]
         lines.append(
-            f"| {r['name']} | {r['l']} | {r['g']} | {r['cfg']['init']} | {r['cfg']['temperature']:g} | {r['summary']['tokens']:,} "
+            f"| {r['name']} ({r['machine']}) | {r['l']} | {r['g']} | {r['init']} | {r['temperature']:g} | {r['tokens']:,} "
             f"| {r['speedup']:.2f} ({r['speedup_how']}) | {_f(h, 'top1_agreement')} / {_f(m, 'top1_agreement')} "
             f"| {_f(h, 'kl')} / {_f(m, 'kl')} | {_f(h, 'ppl_ratio')} / {_f(m, 'ppl_ratio')} "
             f"| {_f(h, 'greedy_exact_match', '{:.2f}')} / {_f(h, 'greedy_token_agreement', '{:.2f}')} "
-            f"| {_f(h, 'long_teacher_forced_agreement')} / {_f(h, 'long_rouge_l')} | {r['summary']['tokens_per_second']:.0f} |"
+            f"| {_f(h, 'long_teacher_forced_agreement')} / {_f(h, 'long_rouge_l')} | {r['train_tok_s']:.0f} |"
         )
     return "\n".join(lines)
 
@@ -98,7 +129,7 @@ def plots(rs: list[dict], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in rs:
-        pts = [(p["tokens"], p["kl"]) for p in r["curve"] if "kl" in p]
+        pts = r["curve"]
         if pts:
             xs, ys = zip(*pts)
             k = 10  # one batch is noisy: the line is a 10-step running mean, the raw points are faint
@@ -118,9 +149,12 @@ def main() -> None:
     ap.add_argument("--runs", default="runs")
     ap.add_argument("--out", default="docs")
     args = ap.parse_args()
-    rs = rows(Path(args.runs))
+    record = Path(args.out) / "frontier-rows.json"
+    rs = merged(json.loads(record.read_text()) if record.exists() else [], rows(Path(args.runs)))
     if not rs:
-        raise SystemExit(f"no finished runs in {args.runs}")
+        raise SystemExit(f"no finished runs in {args.runs} and no rows recorded in {record}")
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(rs, indent=1) + "\n")
     print(table(rs))
     plots(rs, Path(args.out))
 

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from .config import LlamaSwiftKVConfig, check_swiftkv_layout, swiftkv_config_from_base
 from .data import DataError, PackedData, load_packed, loss_mask
+from .hardware import cpu_info
 from .modeling import LlamaSwiftKVForCausalLM, LowerState
 from .shipped import TRAINED_FILE
 
@@ -308,8 +309,6 @@ def use_bf16(precision: str) -> bool:
     if precision not in ("auto", "fp32", "bf16"):
         raise DistillError(f"precision must be auto, fp32 or bf16, got {precision!r}")
     if precision == "auto":
-        from .hardware import cpu_info
-
         return cpu_info().native_bf16
     return precision == "bf16"
 
@@ -527,6 +526,7 @@ def distill(cfg: DistillConfig) -> Path:
         "precision": "bf16" if bf16 else "fp32",
         "teacher_cache": cfg.cache,
         "peak_rss_mb": peak_rss_mb(),
+        "machine": cpu_info().as_dict(),  # tokens/s means nothing without the CPU it was measured on
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return out
