@@ -285,7 +285,9 @@ async def one_request(client, req: Request, model: str, t0: float, timeout: floa
 async def drive(base: str, names: list[str], requests: list[Request], timeout: float, on_done: Callable[[Record], None],
                 api_key: str = "none") -> tuple[list[Record], float]:
     """Send each request at its arrival time (not waiting for earlier ones); -> records and the run's span
-    (first send to last finish). `on_done` gets each record as its request ends."""
+    (first send to last finish: the first arrival comes 1/rate or a random gap after the clock starts, and
+    counting that gap understated requests/s by a request's interval against guidellm). `on_done` gets each
+    record as its request ends."""
     import httpx
     import openai
 
@@ -304,7 +306,8 @@ async def drive(base: str, names: list[str], requests: list[Request], timeout: f
         records = await asyncio.gather(*(at_arrival(r) for r in requests))
     finally:
         await client.close()
-    return list(records), time.perf_counter() - t0
+    first_send = min((r.arrival_s for r in requests), default=0.0)
+    return list(records), time.perf_counter() - t0 - first_send
 
 
 async def warm_up(base: str, names: list[str], requests: list[Request], n: int, timeout: float, api_key: str = "none") -> None:

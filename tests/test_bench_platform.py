@@ -5,6 +5,7 @@ started alone, driven through --target, and the cross-check against guidellm (lo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -239,6 +240,23 @@ def test_crosscheck_with_guidellm(running, tiny_base, corpus, tmp_path):
     # constant rate 4/s, 10 requests: both spans are about 2.5 s plus the last request
     assert 0.5 < ours["requests_per_s"] <= 4.5 and 0.5 < theirs["requests_per_s"] <= 4.5
     assert abs(theirs["recomputed"]["ttft_p50_s"] - theirs["ttft_p50_s"]) <= 0.5 * theirs["ttft_p50_s"] + 0.01
+
+
+@needs_manpages
+def test_span_starts_at_the_first_send(running, corpus, tokenizer):
+    """Throughput is counted from the first request sent, as guidellm counts it: requests arriving 5 s into the
+    run do not add those 5 idle seconds to the span."""
+    import asyncio
+
+    from loadtest.platform_bench import drive
+
+    reqs = fixed(corpus, tokenizer, 10.0, 2, 32, 4, 0, "constant")  # arrivals at 0.1 and 0.2 s
+    late = [dataclasses.replace(r, arrival_s=r.arrival_s + 5.0) for r in reqs]
+    records, span = asyncio.run(drive(running, ["swiftkv-bench"], late, 120, lambda rec: None))
+    assert all(r.error is None for r in records), records
+    last_finish = max(r.sent_s + r.e2e_s for r in records)
+    assert abs(span - (last_finish - late[0].arrival_s)) < 0.5, (span, last_finish)
+    assert span < 5.0
 
 
 def soak(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
