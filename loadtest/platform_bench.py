@@ -285,9 +285,8 @@ async def one_request(client, req: Request, model: str, t0: float, timeout: floa
 async def drive(base: str, names: list[str], requests: list[Request], timeout: float, on_done: Callable[[Record], None],
                 api_key: str = "none") -> tuple[list[Record], float]:
     """Send each request at its arrival time (not waiting for earlier ones); -> records and the run's span
-    (first send to last finish: the first arrival comes 1/rate or a random gap after the clock starts, and
-    counting that gap understated requests/s by a request's interval against guidellm). `on_done` gets each
-    record as its request ends."""
+    (first send to last finish, as guidellm counts it: the first arrival comes a gap after the clock starts).
+    `on_done` gets each record as its request ends."""
     import httpx
     import openai
 

@@ -290,12 +290,17 @@ def plan_cpu_binding(cpu_cores: dict[str, str], world_sizes: dict[str, int], on_
     return plan
 
 
+def tcmalloc_library() -> str | None:
+    """The loader name of the system's tcmalloc (libtcmalloc_minimal.so.4 on Debian), or None if not installed."""
+    import ctypes.util
+
+    return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+
+
 def preload_tcmalloc() -> str | None:
     """Prepend the system's tcmalloc to LD_PRELOAD, read by the engine processes started after this call (vLLM does
     the same with its bundled copy). Nothing changes when LD_PRELOAD already names a tcmalloc, when
     SWIFTKV_CPU_ALLOCATOR=system, or when none is installed (Debian/Ubuntu: libtcmalloc-minimal4). -> what was added."""
-    import ctypes.util
-
     current = os.environ.get("LD_PRELOAD", "")
     if "libtcmalloc" in current:
         log.info("engines on CPU: tcmalloc from LD_PRELOAD (%s)", current)
@@ -303,7 +308,7 @@ def preload_tcmalloc() -> str | None:
     if os.environ.get(ALLOCATOR_ENV, "auto") == "system":
         log.info("engines on CPU: glibc malloc (%s=system)", ALLOCATOR_ENV)
         return None
-    lib = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    lib = tcmalloc_library()
     if lib is None:
         log.warning("engines on CPU: glibc malloc; install tcmalloc (Debian/Ubuntu: libtcmalloc-minimal4), which vLLM "
                     "recommends: with glibc an engine's memory grows under long mixed traffic")

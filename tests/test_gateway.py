@@ -191,15 +191,15 @@ def test_each_engine_computes_on_its_own_cores(server):
 def test_engines_run_on_tcmalloc(server):
     """On CPUs the engine processes start with the system's tcmalloc preloaded where it is installed (`make setup`
     installs it on Debian), and the gateway's log says which allocator they got either way."""
-    import ctypes.util
-
     import psutil
+
+    from swiftkv_core.hardware import tcmalloc_library
 
     serve = psutil.Process(SERVERS[server].pid)
     log = (Path(SERVERS[server].args[3]).parent / "serve.log").read_text()
     engines = [p for p in serve.children(recursive=True) if "EngineCor" in p.name() or "Worker" in p.name()]
     assert len(engines) == 4  # two engine cores, a worker each
-    if ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc"):
+    if tcmalloc_library():
         assert "tcmalloc preloaded" in log
         for proc in engines:
             assert "libtcmalloc" in Path(f"/proc/{proc.pid}/maps").read_text(), proc.name()

@@ -29,6 +29,7 @@ from swiftkv_core.hardware import (
     preload_tcmalloc,
     resolve_dtype,
     spread_cores,
+    tcmalloc_library,
 )
 
 AVX2_ONLY = "avx2,fma"
@@ -217,7 +218,7 @@ def test_tcmalloc_preload(monkeypatch, caplog):
     caplog.set_level("INFO", logger="swiftkv.hardware")
     monkeypatch.delenv(ALLOCATOR_ENV, raising=False)
     monkeypatch.setenv("LD_PRELOAD", "/opt/libother.so")
-    installed = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    installed = tcmalloc_library()
     added = preload_tcmalloc()
     assert added == installed
     assert os.environ["LD_PRELOAD"] == (f"{installed}:/opt/libother.so" if installed else "/opt/libother.so")

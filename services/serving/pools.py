@@ -14,8 +14,7 @@ log = logging.getLogger("swiftkv.pools")
 
 
 def cpu_binds(cfg: PlatformConfig, engine: EngineKind) -> dict[str, str | None]:
-    """VLLM_CPU_OMP_THREADS_BIND per in-process engine pool, from each pool's `cpu_cores` (vLLM's own elsewhere);
-    on CPUs tcmalloc goes into LD_PRELOAD first, for the engine processes about to start."""
+    """VLLM_CPU_OMP_THREADS_BIND per in-process engine pool, from each pool's `cpu_cores` (vLLM's own elsewhere)."""
     engines = {name: pool for name, pool in cfg.pools.items() if pool.backend == "engine"}
     if engine != "inprocess":
         for name, pool in engines.items():
@@ -24,10 +23,8 @@ def cpu_binds(cfg: PlatformConfig, engine: EngineKind) -> dict[str, str | None]:
         return {}
     if not engines:
         return {}
-    from swiftkv_core.hardware import plan_cpu_binding, preload_tcmalloc, vllm_on_cpu
+    from swiftkv_core.hardware import plan_cpu_binding, vllm_on_cpu
 
-    if vllm_on_cpu():
-        preload_tcmalloc()
     return plan_cpu_binding({name: p.cpu_cores for name, p in engines.items()}, {name: p.engine_workers for name, p in engines.items()},
                             vllm_on_cpu())
 
@@ -35,6 +32,11 @@ def cpu_binds(cfg: PlatformConfig, engine: EngineKind) -> dict[str, str | None]:
 def build_backends(cfg: PlatformConfig, engine: EngineKind) -> dict[str, Backend]:
     backends: dict[str, Backend] = {}
     binds = cpu_binds(cfg, engine)
+    if engine == "inprocess" and any(pool.backend == "engine" for pool in cfg.pools.values()):
+        from swiftkv_core.hardware import preload_tcmalloc, vllm_on_cpu
+
+        if vllm_on_cpu():
+            preload_tcmalloc()  # before any engine process starts: they read LD_PRELOAD when they exec
     for name, pool in cfg.pools.items():
         served = cfg.served_name(name)
         if pool.backend == "remote":
