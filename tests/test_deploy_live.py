@@ -64,6 +64,9 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base
             prom = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                                      f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=log, stderr=subprocess.STDOUT)
         api = f"http://127.0.0.1:{prom_port}/api/v1"
+        # /-/ready answers 503 "Service Unavailable" (not JSON) while the TSDB opens: query only once it is ready
+        ready = f"http://127.0.0.1:{prom_port}/-/ready"
+        wait_until(prom, tmp_path, lambda: httpx.get(ready, timeout=2).status_code == 200, 60, "ready")
         wait_until(prom, tmp_path, lambda: httpx.get(f"{api}/query", params={"query": "up"}, timeout=2).json()["data"]["result"], 60, "scraping")
 
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
