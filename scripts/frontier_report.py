@@ -4,7 +4,8 @@
 
 Reads, per row, RUNS/ROW/{summary.json, metrics.jsonl, eval-heldout.json, eval-heldout_manpages.json} and
 RUNS/speed-lL-gG.json (`swiftkv bench engine`); where a layout has no engine measurement the FLOPs bound of
-`swiftkv analyze flops` (2,000-token prompts) is shown instead, marked "bound". Rows are trained on several
+`swiftkv analyze flops` (2,000-token prompts) is shown instead, marked "bound", unless a recorded row of the
+same layout carries a measured one. Rows are trained on several
 machines and runs/ is not kept, so each finished row's figures and learning curve are recorded in
 OUT/frontier-rows.json (a row in RUNS replaces its record) and the table and plots are drawn from all recorded
 rows. Prints the Markdown table and writes OUT/frontier.png (quality against prefill speed-up) and
@@ -75,6 +76,11 @@ def rows(runs: Path) -> list[dict]:
 def merged(recorded: list[dict], fresh: list[dict]) -> list[dict]:
     """The recorded rows with those found in RUNS put in their place (by name), ordered by layout."""
     by_name = {r["name"]: r for r in recorded} | {r["name"]: r for r in fresh}
+    # A speed-up depends on the layout only: a row showing the FLOPs bound takes a measured one of its layout.
+    measured = {(r["l"], r["g"]): r["speedup"] for r in recorded + fresh if r["speedup_how"] == "measured"}
+    for r in by_name.values():
+        if r["speedup_how"] == "bound" and (r["l"], r["g"]) in measured:
+            r["speedup"], r["speedup_how"] = measured[(r["l"], r["g"])], "measured"
     return sorted(by_name.values(), key=lambda r: (r["l"], r["g"], r["name"]))
 
 
@@ -106,14 +112,17 @@ def plots(rs: list[dict], out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    same_layout: dict[tuple[int, int], int] = {}  # rows of one layout share a speed-up: their labels are stacked
     for r in rs:
+        k = same_layout.get((r["l"], r["g"]), 0)
+        same_layout[(r["l"], r["g"])] = k + 1
         for d, marker, label in ((r["heldout"], "o", "held-out"), (r["manpages"], "s", "man pages")):
             if not d:
                 continue
             a.scatter(r["speedup"], d["top1_agreement"], marker=marker, color="C0" if label == "held-out" else "C1")
             b.scatter(r["speedup"], d["ppl_ratio"], marker=marker, color="C0" if label == "held-out" else "C1")
-            a.annotate(r["name"], (r["speedup"], d["top1_agreement"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-            b.annotate(r["name"], (r["speedup"], d["ppl_ratio"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            a.annotate(r["name"], (r["speedup"], d["top1_agreement"]), fontsize=7, xytext=(3, 3 - 8 * k), textcoords="offset points")
+            b.annotate(r["name"], (r["speedup"], d["ppl_ratio"]), fontsize=7, xytext=(3, 3 - 8 * k), textcoords="offset points")
     a.axhline(0.90, color="gray", ls="--", lw=0.8)
     b.axhline(1.05, color="gray", ls="--", lw=0.8)
     a.set(xlabel="prefill speed-up over the base model", ylabel="top-1 agreement with the teacher", title="agreement (target >= 0.90)")
