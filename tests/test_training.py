@@ -171,9 +171,13 @@ def test_job_succeeds_with_events_checkpoints_and_model(client, finished_job, wo
     listing = subprocess.run([str(Path(sys.executable).parent / "swiftkv"), "models", "list", "--dir", str(work / "models")],
                              capture_output=True, text=True, check=True).stdout
     assert job.fine_tuned_model in listing and "top-1 agreement" in listing and "l=4 g=2" in listing
-    # Pagination: newest first, `after` continues.
+    # Pagination: newest first, `after` continues where a page ended.
     first = client.fine_tuning.jobs.list(limit=1)
     assert len(first.data) == 1 and first.has_more in (True, False)
+    newest = [e.id for e in reversed(events(client, job.id))]
+    page = client.fine_tuning.jobs.list_events(job.id, limit=2)
+    rest = client.fine_tuning.jobs.list_events(job.id, after=page.data[-1].id, limit=1000)
+    assert page.has_more and not rest.has_more and [e.id for e in page.data + rest.data] == newest
     metrics = scrape(client)
     assert metrics['swiftkv_training_jobs{status="succeeded"}'] == 1
     # what the dashboard and the failed-job alert read: every final status from the start, tokens as trained
@@ -308,6 +312,9 @@ def test_kill9_mid_job_resumes_and_finished_jobs_stay_listed(client, trainer, ti
     assert reported == sorted(set(reported)) and reported[-1] == steps
     listed = {j.id: j for j in client.fine_tuning.jobs.list(limit=100).data}
     assert listed[finished_job.id].status == "succeeded" and listed[finished_job.id].fine_tuned_model == finished_job.fine_tuned_model
+    page = client.fine_tuning.jobs.list(limit=1)
+    rest = client.fine_tuning.jobs.list(after=page.data[0].id, limit=100)
+    assert page.has_more and [j.id for j in page.data + rest.data] == sorted(listed, reverse=True)
 
 
 # ---- Ray: the submission it would make ----------------------------------------------------------------

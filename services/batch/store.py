@@ -113,16 +113,21 @@ class BatchStore:
             row = conn.execute(select(files).where(files.c.id == file_id, files.c.owner == owner)).mappings().first()
         return dict(row) if row else None
 
+    def page(self, table, q, after: str | None, limit: int, descending: bool = True) -> tuple[list[dict], bool]:
+        """One page of `q` in id order (ids sort by creation time), after the cursor `after` (the last id of the
+        previous page, as the OpenAI API pages), at most `limit` rows; and whether more follow."""
+        if after:
+            q = q.where(table.c.id < after if descending else table.c.id > after)
+        q = q.order_by(table.c.id.desc() if descending else table.c.id).limit(limit + 1)
+        with self.engine.connect() as conn:
+            rows = [dict(r) for r in conn.execute(q).mappings()]
+        return rows[:limit], len(rows) > limit
+
     def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int, descending: bool) -> tuple[list[dict], bool]:
         q = select(files).where(files.c.owner == owner)
         if purpose:
             q = q.where(files.c.purpose == purpose)
-        if after:
-            q = q.where(files.c.id < after if descending else files.c.id > after)
-        q = q.order_by(files.c.id.desc() if descending else files.c.id).limit(limit + 1)
-        with self.engine.connect() as conn:
-            rows = [dict(r) for r in conn.execute(q).mappings()]
-        return rows[:limit], len(rows) > limit
+        return self.page(files, q, after, limit, descending)
 
     def file_in_use(self, file_id: str) -> bool:
         """An input file of a batch that is still running."""
@@ -149,13 +154,7 @@ class BatchStore:
 
     def list_batches(self, owner: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
         """Newest first, like OpenAI; `after` is the last id of the previous page."""
-        q = select(batches).where(batches.c.owner == owner)
-        if after:
-            q = q.where(batches.c.id < after)
-        q = q.order_by(batches.c.id.desc()).limit(limit + 1)
-        with self.engine.connect() as conn:
-            rows = [dict(r) for r in conn.execute(q).mappings()]
-        return rows[:limit], len(rows) > limit
+        return self.page(batches, select(batches).where(batches.c.owner == owner), after, limit)
 
     def request_cancel(self, owner: str, batch_id: str, now: int) -> dict | None:
         """validating / in_progress -> cancelling; other statuses are left as they are (the caller says why)."""

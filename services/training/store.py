@@ -76,13 +76,7 @@ class TrainingStore(BatchStore):
         return dict(row) if row else None
 
     def list_jobs(self, owner: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        q = select(jobs).where(jobs.c.owner == owner)
-        if after:
-            q = q.where(jobs.c.id < after)
-        q = q.order_by(jobs.c.id.desc()).limit(limit + 1)
-        with self.engine.connect() as conn:
-            rows = [dict(r) for r in conn.execute(q).mappings()]
-        return rows[:limit], len(rows) > limit
+        return self.page(jobs, select(jobs).where(jobs.c.owner == owner), after, limit)
 
     def update_job(self, job_id: str, when: tuple[str, ...] | None = None, **values) -> bool:
         """Change a job, only if its status is in `when` (None: any); True when it changed."""
@@ -107,13 +101,7 @@ class TrainingStore(BatchStore):
                                                message=message, type=type, data=data or {}))
 
     def list_events(self, job_id: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        q = select(events).where(events.c.job_id == job_id)
-        if after:
-            q = q.where(events.c.id < after)
-        q = q.order_by(events.c.id.desc()).limit(limit + 1)
-        with self.engine.connect() as conn:
-            rows = [dict(r) for r in conn.execute(q).mappings()]
-        return rows[:limit], len(rows) > limit
+        return self.page(events, select(events).where(events.c.job_id == job_id), after, limit)
 
     def last_step_event(self, job_id: str) -> int:
         """The highest step already reported as a metrics event (a restarted worker reports only later ones)."""
