@@ -37,6 +37,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -45,7 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from loadtest.platform_bench import (CONFIGS, PUBLIC, PlatformBenchConfig, PlatformBenchError, Record, drive, engine_args, existing,
+from loadtest.platform_bench import (CONFIGS, DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN,
+                                     PUBLIC, PlatformBenchConfig, PlatformBenchError, Record, drive, engine_args, existing,
                                      machine, model_names, pct, r4, started, warm_up)
 from loadtest.workloads import WORKLOADS, WorkloadError, generate, summary
 
@@ -182,12 +184,23 @@ async def soak(base: str, names: list[str], requests, pid: int | None, opts: Soa
             log(progress_line(row(sample, state.finished, k == opts.intervals, opts), opts))
 
     state.sent = len(requests)
+    # Ctrl-C ends the run here, whatever the request tasks are awaiting: a cancellation that reaches the traffic
+    # through asyncio.run's own handler can be absorbed inside a request, and the run then went on to its end.
+    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
     sampling = asyncio.create_task(sampler())
+    driving = asyncio.create_task(drive(base, names, requests, timeout, done, api_key))
+    stopping = asyncio.create_task(stop.wait())
     try:
-        await drive(base, names, requests, timeout, done, api_key)
+        await asyncio.wait({driving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            raise KeyboardInterrupt
+        await driving
         await sampling
     finally:
-        sampling.cancel()
+        loop.remove_signal_handler(signal.SIGINT)
+        for task in (sampling, driving, stopping):
+            task.cancel()
 
 
 def row(sample: dict, finished: list[Finished], last: bool, opts: SoakOptions) -> dict:
@@ -384,10 +397,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--swiftkv-model", default="models/smollm2-135m-instruct-swiftkv")
     p.add_argument("--tokenizer", help="tokenizer the prompts are counted with (default: --base-model's)")
     p.add_argument("--text", default="data/mix/heldout.jsonl", help="corpus the prompts are cut from")
-    p.add_argument("--max-model-len", type=int, default=4096,
-                   help="engine max_model_len (default 4096: a 2,000-token rag prompt, chat template and 200 output tokens pass 2048)")
+    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN, help="engine max_model_len (default: the embedded platform's)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--kv-cache-mib", type=int, default=256, help="KV-cache budget per engine, MiB")
+    p.add_argument("--kv-cache-mib", type=int, default=DEFAULT_KV_CACHE_BYTES >> 20, help="KV-cache budget per engine, MiB (default: the embedded platform's)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--rss-tolerance-mib", type=float, default=5.0, help="RSS slope tolerance, MiB per 10 min (default 5)")
     p.add_argument("--rss-tolerance-pct", type=float, default=0.5, help="... or this %% of the mean RSS per 10 min if larger (default 0.5)")
