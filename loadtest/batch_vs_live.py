@@ -18,10 +18,7 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,16 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+from loadtest.platform_bench import free_port, pct, swiftkv_serve  # noqa: E402
 
 
 def documents(text: str, tokenizer, n: int, min_tokens: int, max_tokens: int) -> list[str]:
@@ -153,34 +141,10 @@ def main() -> None:
     live_docs = documents(args.text, tokenizer, args.live, args.live_min_tokens, args.live_max_tokens)
     batch_docs = windows(args.text, tokenizer, args.lines, args.batch_prompt_tokens)
     load = os.getloadavg()[0]
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as data_dir:
-        cmd = [str(Path(sys.executable).parent / "swiftkv"), "serve", "--engine", "inprocess", "--port", str(port), "--data-dir", data_dir]
-        if args.config:
-            cmd += ["--config", args.config]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
-        try:
-            import httpx
-
-            deadline = time.time() + 900
-            while time.time() < deadline:
-                if proc.poll() is not None:
-                    raise SystemExit(f"swiftkv serve exited with {proc.returncode}")
-                try:
-                    if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(2)
+    with tempfile.TemporaryDirectory() as work:
+        args_ = ["--data-dir", work] + (["--config", args.config] if args.config else [])
+        with swiftkv_serve(args_, free_port(), Path(work) / "serve.log", 900) as (base, _):
             result = asyncio.run(measure(args, base, live_docs, batch_docs))
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
     result |= {"cpu": cpu_info().summary(), "cores": os.cpu_count(), "load_average_1min_at_start": load,
                "command": " ".join(sys.argv)}
     text = json.dumps(result, indent=2)

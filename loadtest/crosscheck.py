@@ -33,7 +33,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from loadtest.platform_bench import (CONFIGS, PUBLIC, ROOT, PlatformBenchConfig, PlatformBenchError, drive, engine_args, existing,
+from loadtest.platform_bench import (CONFIGS, DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN,
+                               PUBLIC, ROOT, PlatformBenchConfig, PlatformBenchError, drive, engine_args, existing,
                                figures, machine, pct, r4, serve, warm_up)
 from loadtest.workloads import ARRIVALS, WorkloadError, fixed
 
@@ -166,9 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--swiftkv-model", default="models/smollm2-135m-instruct-swiftkv")
     p.add_argument("--tokenizer", help="default: --base-model's (guidellm counts its synthetic prompts with it too)")
     p.add_argument("--text", default="data/mix/heldout.jsonl", help="corpus our prompts are cut from")
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN, help="engine max_model_len (default: the embedded platform's)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--kv-cache-mib", type=int, default=256)
+    p.add_argument("--kv-cache-mib", type=int, default=DEFAULT_KV_CACHE_BYTES >> 20, help="KV-cache budget per engine, MiB (default: the embedded platform's)")
     p.add_argument("--guidellm", type=Path, default=GUIDELLM)
     p.add_argument("--out", type=Path, help="also write the JSON here")
     a = p.parse_args(argv)

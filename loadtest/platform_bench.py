@@ -44,6 +44,7 @@ from typing import Callable
 import yaml
 
 from loadtest.workloads import WORKLOADS, Request, generate, summary
+from services.serving.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("routed", "base", "swiftkv")
@@ -67,15 +68,17 @@ class PlatformBenchConfig:
     seed: int = 0
     scale: float = 1.0  # length targets multiplied by this (tiny models)
     configs: list[str] = field(default_factory=lambda: list(CONFIGS))
-    max_model_len: int = 2048
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     dtype: str = "auto"
-    kv_cache_bytes: int = 256 << 20
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     extra_engine_args: dict = field(default_factory=dict)
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.2
     reference_rate: float | None = None  # the rate of the top-level figures and the CDF; default the highest
     request_timeout_s: float = 600.0
     ready_timeout_s: float = 900.0
+    quiet_load: float | None = None  # wait for the 1-minute load average to fall below this before each configuration
+    quiet_timeout_s: float = 600.0
     warmup_requests: int = 2
     progress: bool = True
     target: str | None = None  # a running OpenAI-compatible server's base URL: drive it instead of the configs
@@ -176,23 +179,30 @@ def serve(name: str, cfg: PlatformBenchConfig, work: Path, log: Callable[[str], 
 
 @contextmanager
 def started(name: str, cfg: PlatformBenchConfig, work: Path, log: Callable[[str], None]):
-    """As `serve`, yielding (base URL, the `swiftkv serve` process: the gateway, with its engines as children). The
-    process leads its own process group, which is stopped as a whole after (also on Ctrl-C)."""
-    import httpx
-
+    """As `serve`, yielding (base URL, the `swiftkv serve` process: the gateway, with its engines as children)."""
     port = free_port()
     cfg_path, log_path = work / f"{name}.yaml", work / f"{name}.log"
     cfg_path.write_text(yaml.safe_dump(platform_config(name, cfg, port)))
+    log(f"{name}: starting swiftkv serve on port {port} (log {log_path})")
+    with swiftkv_serve(["--config", str(cfg_path), "--data-dir", str(work / f"{name}-data")], port, log_path,
+                       cfg.ready_timeout_s, name) as running:
+        yield running
+
+
+@contextmanager
+def swiftkv_serve(args: list[str], port: int, log_path: Path, ready_timeout_s: float, name: str = "swiftkv serve"):
+    """`swiftkv serve --engine inprocess --port PORT ARGS`, output to LOG_PATH, yielding (base URL, process) once /ready
+    answers 200. The process leads its own process group, which is stopped as a whole after (also on Ctrl-C)."""
+    import httpx
+
     swiftkv = Path(sys.executable).parent / "swiftkv"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}
-    data_dir = work / f"{name}-data"
     with open(log_path, "w") as out:
-        proc = subprocess.Popen([str(swiftkv), "serve", "--config", str(cfg_path), "--engine", "inprocess", "--data-dir", str(data_dir)],
+        proc = subprocess.Popen([str(swiftkv), "serve", "--engine", "inprocess", "--port", str(port), *args],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + cfg.ready_timeout_s
-        log(f"{name}: starting swiftkv serve on port {port} (log {log_path})")
+        deadline = time.time() + ready_timeout_s
         while True:
             if proc.poll() is not None:
                 raise PlatformBenchError(f"{name}: swiftkv serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
@@ -202,7 +212,7 @@ def started(name: str, cfg: PlatformBenchConfig, work: Path, log: Callable[[str]
             except httpx.HTTPError:
                 pass
             if time.time() > deadline:
-                raise PlatformBenchError(f"{name}: not ready after {cfg.ready_timeout_s:.0f} s:\n{log_path.read_text()[-3000:]}")
+                raise PlatformBenchError(f"{name}: not ready after {ready_timeout_s:.0f} s:\n{log_path.read_text()[-3000:]}")
             time.sleep(1)
         yield base, proc
     finally:
@@ -411,6 +421,19 @@ def machine() -> dict:
 # The run
 
 
+def settled_load(below: float | None, timeout_s: float, name: str, log: Callable[[str], None]) -> list[float]:
+    """The load averages a configuration starts at; with `below`, first wait (up to `timeout_s`) until the 1-minute
+    average is under it, so no configuration starts in the load the previous one's engines left."""
+    deadline = time.time() + timeout_s
+    if below is not None and os.getloadavg()[0] >= below:
+        log(f"{name}: waiting for the 1-minute load average ({os.getloadavg()[0]:.2f}) to fall below {below:g}")
+        while os.getloadavg()[0] >= below and time.time() < deadline:
+            time.sleep(5)
+        if os.getloadavg()[0] >= below:
+            log(f"{name}: starting at load {os.getloadavg()[0]:.2f} after {timeout_s:.0f} s of waiting (recorded with its figures)")
+    return list(os.getloadavg())
+
+
 def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[dict, dict]:
     """-> (report, the TTFT samples per config and rate for the plots)."""
     cfg.check()
@@ -430,7 +453,7 @@ def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[d
     progress = _progress(cfg.progress)
     with tempfile.TemporaryDirectory(prefix="swiftkv-bench-platform-") as tmp, progress:
         for name in [cfg.target_name] if cfg.target is not None else cfg.configs:
-            load_before = list(os.getloadavg())
+            load_before = settled_load(cfg.quiet_load, cfg.quiet_timeout_s, name, log)
             per_rate: dict[float, dict] = {}
             if cfg.target is not None:
                 server, names, warm = existing(cfg.target, cfg.target_model, cfg.api_key, 30), [cfg.target_model], [cfg.target_model]

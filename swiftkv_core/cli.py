@@ -412,9 +412,10 @@ def bench_platform_command(
     ttft_slo: Annotated[float, typer.Option(help="Goodput SLO: time to first token, seconds")] = 2.0,
     tpot_slo: Annotated[float, typer.Option(help="Goodput SLO: time per output token, seconds")] = 0.2,
     reference_rate: Annotated[float | None, typer.Option(help="Rate of the top-level figures and the TTFT CDF (default: the highest)")] = None,
-    max_model_len: Annotated[int, typer.Option(help="Engine max_model_len (every engine)")] = 2048,
+    max_model_len: Annotated[int | None, typer.Option(help="Engine max_model_len (every engine); default: the embedded platform's, 8192")] = None,
     dtype: Annotated[str, typer.Option(help="Engine dtype; auto: bfloat16 only on CPUs with native bf16, else float32")] = "auto",
-    kv_cache_mib: Annotated[int, typer.Option(help="KV-cache budget per engine, MiB (every engine)")] = 256,
+    kv_cache_mib: Annotated[int | None, typer.Option(help="KV-cache budget per engine, MiB (every engine); default: the embedded platform's, 1024")] = None,
+    quiet_load: Annotated[float | None, typer.Option(help="Before each configuration, wait (up to 10 minutes) for the 1-minute load average to fall below this, e.g. 1")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the report here (JSON) and the PNG plots next to it")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr")] = True,
     target: Annotated[str | None, typer.Option(help="Drive this running OpenAI-compatible server (base URL) instead of starting --configs")] = None,
@@ -439,10 +440,14 @@ def bench_platform_command(
 
     cfg = PlatformBenchConfig(base_model=str(base_model), swiftkv_model=str(swiftkv_model), text=str(text), workload=workload,
                               rates=list(rate), count=count, duration_s=duration, seed=seed, scale=scale,
-                              configs=[c.strip() for c in configs.split(",") if c.strip()], max_model_len=max_model_len,
-                              dtype=dtype, kv_cache_bytes=kv_cache_mib << 20, ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo,
+                              configs=[c.strip() for c in configs.split(",") if c.strip()], dtype=dtype, quiet_load=quiet_load,
+                              ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo,
                               reference_rate=reference_rate, progress=progress, target=target, target_model=target_model,
                               tokenizer=None if tokenizer is None else str(tokenizer), api_key=api_key)
+    if max_model_len is not None:
+        cfg.max_model_len = max_model_len
+    if kv_cache_mib is not None:
+        cfg.kv_cache_bytes = kv_cache_mib << 20
     if json:
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     log = (lambda m: typer.echo(m, err=True)) if json else typer.echo

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,7 +153,7 @@ def test_platform_run_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
     r = swiftkv("--workload", "mixed", "--rate", "2", "--rate", "4", "--count", "8", "--scale", "0.1",
                 "--base-model", str(tiny_base), "--swiftkv-model", str(tiny_swiftkv), "--text", str(corpus),
                 "--max-model-len", "512", "--kv-cache-mib", "32", "--dtype", "float32", "--ttft-slo", "5", "--tpot-slo", "1",
-                "--out", str(out), "--json", "--no-progress")
+                "--out", str(out), "--json", "--no-progress", "--quiet-load", "1000")
     assert r.returncode == 0, r.stderr[-4000:]
     report = json.loads(r.stdout)
     assert report == json.loads(out.read_text())
@@ -161,7 +162,7 @@ def test_platform_run_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
     for name, c in report["configs"].items():
         for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s", "goodput_rps"):
             assert isinstance(c[key], float) and c[key] > 0, (name, key, c[key])
-        assert c["errors"] == 0 and c["ttft_p50_s"] <= c["ttft_p99_s"]
+        assert c["errors"] == 0 and c["ttft_p50_s"] <= c["ttft_p99_s"] and len(c["load_average_before"]) == 3
         for rate in ("2.0", "4.0"):
             f = c["rates"][rate]
             assert f["completed"] == f["requests"] == 8 and f["prompt_tok_s"] > 0 and f["output_tok_s"] > 0
@@ -175,6 +176,19 @@ def test_platform_run_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
         assert f["pool_share"] == {"decode": 0.5, "prefill": 0.5} and f["route_reasons"] == {"pinned": 8}
     for png in report["plots"]:
         assert Path(png).stat().st_size > 10_000 and Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_configuration_can_wait_for_a_quiet_machine():
+    from loadtest.platform_bench import settled_load
+
+    said: list[str] = []
+    t0 = time.monotonic()
+    assert len(settled_load(0.0, 0.2, "base", said.append)) == 3  # a load average is never below 0: waits out its timeout
+    assert time.monotonic() - t0 >= 0.2 and said and "base: waiting for the 1-minute load average" in said[0]
+    said.clear()
+    settled_load(1e9, 600, "base", said.append)  # already below: starts at once
+    settled_load(None, 600, "base", said.append)  # not asked for
+    assert said == []
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,9 @@ DEFAULT_CONFIG = """\
 # dtype auto: the model's dtype on GPUs; on CPUs bfloat16 only with native bf16 (AVX-512 BF16 or AMX), else float32.
 # cpu_cores auto (every pool's default): on CPUs each in-process engine computes on its own cores.
 # scheduling_policy priority: Batch API requests (lower priority) run after live ones.
+# max_model_len 8192: SmolLM2's whole context (prompt-heavy traffic brings long documents). KV cache 1 GiB per
+# engine: 23,000 float32 tokens (46,000 in bf16), a dozen 2,000-token prompts at once; at 256 MiB an engine
+# held three and requests queued for KV space (BENCHMARKS.md, "KV-cache budget").
 model: swiftkv-smollm2            # the public name; requests for it are routed between the pools
 host: 127.0.0.1
 port: 8000
@@ -30,13 +33,17 @@ routing:
 pools:
   prefill:                        # SwiftKV model: cheap prefill for prompt-heavy requests
     model: models/smollm2-135m-instruct-swiftkv
-    engine_args: {max_model_len: 2048, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 268435456, scheduling_policy: priority}
+    engine_args: {max_model_len: 8192, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 1073741824, scheduling_policy: priority}
     replicas: {min: 1, max: 2, target_ongoing_requests: 8, max_ongoing_requests: 32}
   decode:                         # base model: decode-heavy requests
     model: models/smollm2-135m-instruct
-    engine_args: {max_model_len: 2048, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 268435456, scheduling_policy: priority}
+    engine_args: {max_model_len: 8192, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 1073741824, scheduling_policy: priority}
     replicas: {min: 1, max: 2, target_ongoing_requests: 8, max_ongoing_requests: 32}
 """
+# The embedded engine settings, for tools that start engines like the default platform's (`swiftkv bench platform`).
+_DEFAULT_ENGINE_ARGS: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG)["pools"]["prefill"]["engine_args"]
+DEFAULT_MAX_MODEL_LEN: int = _DEFAULT_ENGINE_ARGS["max_model_len"]
+DEFAULT_KV_CACHE_BYTES: int = _DEFAULT_ENGINE_ARGS["kv_cache_memory_bytes"]
 
 
 class StrictModel(BaseModel):
