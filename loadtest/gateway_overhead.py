@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from loadtest.platform_bench import free_port, pct  # noqa: E402
 
 CANNED = {
     "id": "chatcmpl-x", "object": "chat.completion", "created": 0, "model": "bench",
@@ -121,12 +122,6 @@ def serve_baseline(port: int) -> None:
 
 
 # ---- client ----------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def wait_up(session, url: str, timeout: float = 60) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -177,11 +172,6 @@ async def saturate(session, url: str, seconds: float, concurrency: int) -> tuple
     return done / (time.perf_counter() - t), routes
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (Linux), to report cost per request independent of contention."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -222,11 +212,11 @@ async def measure(args, gw_port: int, base_port: int, shell_port: int, gw_pid: i
         shell_rps, shell_cpu_per_req, _ = await throughput(session, shell, shell_pid, min(args.seconds, 5), args.concurrency)
     return {
         "requests_each": len(g),
-        "baseline_p50_ms": pct(b, 0.5) * 1e3, "baseline_p99_ms": pct(b, 0.99) * 1e3,
-        "gateway_p50_ms": pct(g, 0.5) * 1e3, "gateway_p99_ms": pct(g, 0.99) * 1e3,
-        "added_p50_ms": (pct(g, 0.5) - pct(b, 0.5)) * 1e3, "added_p99_ms": (pct(g, 0.99) - pct(b, 0.99)) * 1e3,
+        "baseline_p50_ms": pct(b, 50) * 1e3, "baseline_p99_ms": pct(b, 99) * 1e3,
+        "gateway_p50_ms": pct(g, 50) * 1e3, "gateway_p99_ms": pct(g, 99) * 1e3,
+        "added_p50_ms": (pct(g, 50) - pct(b, 50)) * 1e3, "added_p99_ms": (pct(g, 99) - pct(b, 99)) * 1e3,
         "added_mean_ms": (statistics.mean(g) - statistics.mean(b)) * 1e3,
-        "added_p50_ms_500_token_prompt": (pct(gh, 0.5) - pct(bh, 0.5)) * 1e3,
+        "added_p50_ms_500_token_prompt": (pct(gh, 50) - pct(bh, 50)) * 1e3,
         "gateway_max_rps": rps, "baseline_max_rps": base_rps, "routes": routes, "concurrency": args.concurrency,
         "fastapi_shell_max_rps": shell_rps, "fastapi_shell_cpu_us_per_request": shell_cpu_per_req * 1e6,
         "gateway_cpu_us_per_request": gw_cpu_per_req * 1e6, "baseline_cpu_us_per_request": base_cpu_per_req * 1e6,

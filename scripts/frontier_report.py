@@ -54,6 +54,14 @@ def _machine(summary: dict) -> str:
     return f"{m['cpu_model']}, {kind}, {'bf16' if summary.get('precision') == 'bf16' else 'float32'}"
 
 
+def recipe(cfg: dict) -> str:
+    """What a row adds to the common recipe (lstsq init + KL on data/mix/train.jsonl): the table's recipe column."""
+    notes = [f"hidden MSE x{cfg['hidden_weight']:g}"] if cfg.get("hidden_weight") else []
+    if Path(cfg["data"]).name != "train.jsonl":
+        notes.append(f"data {Path(cfg['data']).name}")
+    return ", ".join(notes) or "-"
+
+
 def rows(runs: Path) -> list[dict]:
     """One compact record per finished row in RUNS: everything the table and plots need."""
     out = []
@@ -65,7 +73,7 @@ def rows(runs: Path) -> list[dict]:
         l, g = cfg["num_key_value_layers"], cfg["key_value_group_size"]
         s, how = speedup(runs, l, g, model_cfg)
         curve = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        out.append({"name": run.name, "l": l, "g": g, "init": cfg["init"], "temperature": cfg["temperature"],
+        out.append({"name": run.name, "l": l, "g": g, "init": cfg["init"], "temperature": cfg["temperature"], "recipe": recipe(cfg),
                     "tokens": summary["tokens"], "train_tok_s": summary["tokens_per_second"], "machine": _machine(summary),
                     "speedup": s, "speedup_how": how,
                     "heldout": _figures(_load(run / "eval-heldout.json")), "manpages": _figures(_load(run / "eval-heldout_manpages.json")),
@@ -89,13 +97,13 @@ def _f(d: dict | None, key: str, fmt: str = "{:.3f}") -> str:
 
 
 def table(rs: list[dict]) -> str:
-    head = ("| row | l | g | init | T | tokens | prefill speed-up | top-1 held-out / man | KL held-out / man | ppl ratio held-out / man "
+    head = ("| row | l | g | init | T | recipe | tokens | prefill speed-up | top-1 held-out / man | KL held-out / man | ppl ratio held-out / man "
             "| greedy exact / prefix | long: forced agreement / ROUGE-L | train tok/s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rs:
         h, m = r["heldout"], r["manpages"]
         lines.append(
-            f"| {r['name']} ({r['machine']}) | {r['l']} | {r['g']} | {r['init']} | {r['temperature']:g} | {r['tokens']:,} "
+            f"| {r['name']} ({r['machine']}) | {r['l']} | {r['g']} | {r['init']} | {r['temperature']:g} | {r.get('recipe', '-')} | {r['tokens']:,} "
             f"| {r['speedup']:.2f} ({r['speedup_how']}) | {_f(h, 'top1_agreement')} / {_f(m, 'top1_agreement')} "
             f"| {_f(h, 'kl')} / {_f(m, 'kl')} | {_f(h, 'ppl_ratio')} / {_f(m, 'ppl_ratio')} "
             f"| {_f(h, 'greedy_exact_match', '{:.2f}')} / {_f(h, 'greedy_token_agreement', '{:.2f}')} "

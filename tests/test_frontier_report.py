@@ -22,4 +22,10 @@ def test_a_fresh_row_replaces_its_record_and_takes_its_layouts_measured_speedup(
     assert (rs["l22-t1"]["speedup"], rs["l22-t1"]["speedup_how"]) == (1.31, "measured")  # nobody measured l22 now, but it was
     assert (rs["l18"]["speedup"], rs["l18"]["speedup_how"]) == (1.9, "bound")  # no measurement of l = 18 anywhere
     assert [r["name"] for r in frontier_report.merged(recorded, fresh)] == ["l18", "l20", "l22", "l22-t1"]
-    assert "| l22-t1 (-) | 22 | 1 | lstsq | 2 | 256,000 | 1.31 (measured) | 0.900 / - |" in frontier_report.table(list(rs.values()))
+    assert "| l22-t1 (-) | 22 | 1 | lstsq | 2 | - | 256,000 | 1.31 (measured) | 0.900 / - |" in frontier_report.table(list(rs.values()))
+
+
+def test_the_recipe_column_names_what_a_row_adds_to_the_common_recipe():
+    assert frontier_report.recipe({"data": "data/mix/train.jsonl", "hidden_weight": 0.0}) == "-"
+    assert frontier_report.recipe({"data": "data/mix/train.jsonl", "hidden_weight": 1.0}) == "hidden MSE x1"
+    assert frontier_report.recipe({"data": "data/mix/answers.jsonl", "hidden_weight": 0.0}) == "data answers.jsonl"
