@@ -454,6 +454,101 @@ def test_batch_work_yields_to_live_traffic_on_a_pool():
     asyncio.run(run())
 
 
+class GatedBackend:
+    """An engine stand-in for the runner's side of preemption: batch requests (priority > 0) wait before their
+    first token until `gate` opens, live ones answer at once; it counts the requests aborted while waiting."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.gate = asyncio.Event()
+        self.waiting = self.aborted = self.served = 0
+
+    async def generate(self, request):
+        from services.serving.backend import ChoiceDelta, Output
+
+        if request.priority > 0:
+            self.waiting += 1
+            try:
+                await self.gate.wait()
+            except (asyncio.CancelledError, GeneratorExit):
+                self.aborted += 1
+                raise
+            finally:
+                self.waiting -= 1
+        self.served += 1
+        yield Output([ChoiceDelta(0, "x", 1, "length")])
+
+    async def health(self) -> bool:
+        return True
+
+
+def test_a_live_request_aborts_batch_prefills_on_its_pool_and_their_lines_run_again(tiny_base, tmp_path):
+    """Three batch lines prefill on the SwiftKV pool; a live request arrives there: the two youngest are aborted
+    (min_in_flight 1 stays), run again on the quiet base-model pool, and the batch completes with every line once."""
+    from prometheus_client import REGISTRY
+
+    from services.batch.service import BatchService
+    from services.gateway.app import Gateway, create_app
+    from services.gateway.auth import KeyStore
+    from services.gateway.prompts import Prompter
+    from services.serving.config import PlatformConfig
+
+    pool_cfg = {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}
+    cfg = PlatformConfig(model="m", data_dir=str(tmp_path), pools={"prefill": pool_cfg, "decode": pool_cfg},
+                         batch={"max_in_flight": 3, "min_in_flight": 1, "live_quiet_seconds": 60, "poll_seconds": 0.1})
+    backends = {"prefill": GatedBackend("prefill"), "decode": GatedBackend("decode")}
+    gateway = Gateway(cfg, backends, Prompter(str(tiny_base)), KeyStore({}))
+    for pool in gateway.pools.values():
+        pool.ready = True
+    service = BatchService(cfg)
+    service.attach(gateway)
+    app = create_app(gateway, [service])
+    preempted = lambda: REGISTRY.get_sample_value("swiftkv_batch_requests_preempted_total", {"pool": "prefill"}) or 0.0  # noqa: E731
+    body = {"model": "m", "prompt": "hello " * 20, "max_tokens": 1}  # prompt-heavy: the ratio picks prefill
+    lines = "".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n" for i in range(3))
+
+    async def until(condition, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while not await condition():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.02)
+
+    async def run():
+        before = preempted()
+        backends["decode"].gate.set()
+        await service.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+                f = (await c.post("/v1/files", files={"file": ("in.jsonl", lines.encode())}, data={"purpose": "batch"})).json()
+                batch = (await c.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                                           "completion_window": "24h"})).json()
+
+                async def prefilling():
+                    return backends["prefill"].waiting == 3
+                await until(prefilling)
+                r = await c.post("/v1/completions", json=body)  # live, on the SwiftKV pool
+                assert r.status_code == 200 and "pool=prefill" in r.headers["x-swiftkv-route"]
+
+                async def moved():
+                    return backends["decode"].served == 2
+                await until(moved)
+                assert (backends["prefill"].aborted, backends["prefill"].waiting, preempted()) == (2, 1, before + 2)
+                backends["prefill"].gate.set()
+
+                async def completed():
+                    nonlocal batch
+                    batch = (await c.get(f"/v1/batches/{batch['id']}")).json()
+                    return batch["status"] == "completed"
+                await until(completed)
+                assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+                out = (await c.get(f"/v1/files/{batch['output_file_id']}/content")).text
+                assert sorted(json.loads(x)["custom_id"] for x in out.splitlines()) == ["l0", "l1", "l2"]
+        finally:
+            await service.stop()
+
+    asyncio.run(run())
+
+
 # ---- crashes -----------------------------------------------------------------------------------------
 SLOW_BATCH = BATCH | {"max_in_flight": 2, "lease_seconds": 2}
 

@@ -13,11 +13,15 @@ Live traffic comes first, in three ways (settings in `BatchConfig`):
   `batch_steered`, `RoutePolicy.steer_batch`). Where it is placed is decided while it waits for a slot.
 - Batch requests carry vLLM priority `priority`, so a priority-scheduling engine admits waiting live
   requests ahead of them.
+- When a live request arrives on a pool, that pool's batch requests beyond `min_in_flight` that have no output
+  token yet are aborted, the youngest first, and their lines queued again (`preempt_prefills`): a prefill is
+  the expensive part of an engine step, and vLLM would run them ahead of the waiting live request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -51,6 +55,39 @@ class PoolSlots:
         self.cfg, self.pools, self.policy = cfg, pools, policy
         self.busy: dict[str, int] = defaultdict(int)
         self.freed = asyncio.Event()
+        # per pool, the tasks holding its slots in the order they took them -> whether their first token came
+        self.running: dict[str, dict[asyncio.Task, bool]] = defaultdict(dict)
+        self.preempted: set[asyncio.Task] = set()
+        for name, pool in pools.items():
+            metrics.preempted.labels(name)  # a series at 0 from the start, so its rate() is 0 rather than absent
+            if cfg.preempt_prefills:
+                pool.on_live_start.append(functools.partial(self.make_way, name))
+
+    def make_way(self, pool: str) -> None:
+        """A live request arrived on `pool`: abort its batch requests still waiting for their first token beyond
+        `min_in_flight`, the youngest (least work lost) first."""
+        running = self.running[pool]
+        excess = len(running) - self.cfg.min_in_flight
+        for task in reversed(list(running)):
+            if excess <= 0:
+                break
+            if not running[task] and task.cancel():
+                self.preempted.add(task)
+                metrics.preempted.labels(pool).inc()
+                excess -= 1
+
+    def first_token(self) -> None:
+        """Called by the task holding a slot when its request's first token arrives: it is no longer a prefill."""
+        task = asyncio.current_task()
+        for running in self.running.values():
+            if task in running:
+                running[task] = True
+
+    def was_preempted(self, task: asyncio.Task) -> bool:
+        if task in self.preempted:
+            self.preempted.discard(task)
+            return True
+        return False
 
     def live_busy(self, pool: str) -> bool:
         return self.pools[pool].live_busy(self.cfg.live_quiet_seconds)
@@ -74,10 +111,12 @@ class PoolSlots:
                 await asyncio.wait_for(self.freed.wait(), 0.1)
         pool = placed.pool
         self.busy[pool] += 1
+        self.running[pool][asyncio.current_task()] = False
         metrics.in_flight.labels(pool).inc()
         try:
             yield placed
         finally:
+            self.running[pool].pop(asyncio.current_task(), None)
             self.busy[pool] -= 1
             metrics.in_flight.labels(pool).dec()
             self.freed.set()
@@ -251,14 +290,16 @@ class Job:
         kind = ENDPOINTS[self.batch["endpoint"]]
         while True:
             task = asyncio.create_task(r.gateway.run_request(line.body, kind, self.batch["owner"], source="batch",
-                                                             priority=r.cfg.priority, slot=r.slots))
+                                                             priority=r.cfg.priority, slot=r.slots, first_token=r.slots.first_token))
             self.serving.add(task)
             try:
                 await asyncio.wait({task})
             finally:
                 self.serving.discard(task)
-            if task.cancelled():  # halted: the line stays undone
-                return
+            if task.cancelled():
+                if r.slots.was_preempted(task) and not self.stop.is_set():
+                    continue  # it made way for a live request: run it again
+                return  # halted: the line stays undone
             if task.exception() is not None:
                 log.error("batch %s line %d: %r", self.id, line.number, task.exception())
                 status, body = 500, {"error": {"message": "internal error", "type": "server_error", "param": None, "code": None}}

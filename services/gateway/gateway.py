@@ -455,12 +455,14 @@ class Gateway:
         return outputs
 
     async def run_request(self, data: object, kind: str, identity: str, *, source: str = "batch", priority: int = 0,
-                          slot: Callable[[Decision], AbstractAsyncContextManager[Decision]] | None = None) -> tuple[int, dict]:
+                          slot: Callable[[Decision], AbstractAsyncContextManager[Decision]] | None = None,
+                          first_token: Callable[[], None] | None = None) -> tuple[int, dict]:
         """Serve one already-parsed, non-streamed request body without HTTP (the Batch API's lines): the same
         validation, token counting, routing, backends and metrics (labelled `source`) as live traffic, at
         the engine priority given, not charged to per-minute limits. `slot(decision)` is entered once the route
         is decided and held while the engine works (the caller's bound on its own requests per pool); it may
-        move the request to another pool: the decision it yields is the one served and counted."""
+        move the request to another pool: the decision it yields is the one served and counted. `first_token()`
+        is called, in the calling task, when the first output token arrives."""
         try:
             _, req, gen, decision, reserved, estimate, r = self.prepare_body(data, kind, identity, charge=False)
             if req.stream:
@@ -472,6 +474,8 @@ class Gateway:
         async with slot(decision) if slot is not None else nullcontext(decision) as decision:
             metrics.route_decisions.labels(decision.pool, decision.reason, source).inc()
             stream = self.retried(decision, req.model, gen, time.perf_counter(), identity, reserved, estimate, source)
+            if first_token is not None:
+                stream = calling_on_first_token(stream, first_token)
             return await self.collect(stream, r, len(gen.prompt_token_ids), r.structured_param)
 
     async def collect(self, stream: AsyncIterator[Output], r, prompt_tokens: int, structured_param: str | None = None) -> tuple[int, dict]:
@@ -532,6 +536,16 @@ class Gateway:
 
 class ClientGone(Exception):
     """The client disconnected while the gateway waited for the engine."""
+
+
+async def calling_on_first_token(stream: AsyncIterator[Output], callback: Callable[[], None]) -> AsyncIterator[Output]:
+    async with aclosing(stream) as s:
+        waiting = True
+        async for out in s:
+            if waiting and any(c.num_tokens for c in out.choices):
+                waiting = False
+                callback()
+            yield out
 
 
 async def until_disconnect(request: Request, work: Awaitable):

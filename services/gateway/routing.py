@@ -55,9 +55,12 @@ class PoolState:
     prefill_rate: Ewma = field(default_factory=lambda: Ewma(5000.0))  # tokens/s, from prompt tokens / TTFT
     live_in_flight: int = 0  # live requests from dispatch to the end of their response
     live_ended_at: float = -math.inf  # time.monotonic() when the last of them ended
+    on_live_start: list[Callable[[], None]] = field(default_factory=list, repr=False)  # batch work making way
 
     def live_started(self) -> None:
         self.live_in_flight += 1
+        for make_way in self.on_live_start:
+            make_way()
 
     def live_ended(self) -> None:
         self.live_in_flight -= 1

@@ -158,6 +158,11 @@ class BatchConfig(StrictModel):
                                       "requests (which hold a slot for their whole run, seconds on CPU) do not fill the pool in "
                                       "those gaps and meet the next live request; short enough that batch work is back at full "
                                       "width seconds after live traffic stops")
+    preempt_prefills: bool = Field(True, description="when a live request arrives on a pool, abort that pool's batch requests "
+                                   "beyond min_in_flight that have no output token yet (the youngest first) and run their lines "
+                                   "again later: vLLM keeps running requests it has started ahead of waiting ones whatever their "
+                                   "priority, so without this a live prefill shares engine steps with up to max_in_flight batch "
+                                   "prefills. The prompt work done on an aborted line is lost unless prefix caching keeps it")
     priority: int = Field(10, description="vLLM priority of batch requests (live: 0; lower runs first; used by engines with scheduling_policy=priority)")
     max_active_batches: int = Field(4, ge=1, description="batches one gateway process works at once")
     max_lines: int = Field(50_000, ge=1)
