@@ -88,7 +88,8 @@ def launch(work: Path, config: dict, *args: str, env: dict | None = None) -> tup
 
 
 def wait_until(proc: subprocess.Popen, work: Path, condition, timeout: float, what: str) -> None:
-    """Poll `condition` (HTTP errors count as not yet) until it holds; fail with the log if the process exits."""
+    """Poll `condition` (HTTP errors and bodies that are not JSON yet count as not yet) until it holds; fail
+    with the log if the process exits."""
     deadline = time.time() + timeout
     while True:
         if proc.poll() is not None:
@@ -96,7 +97,7 @@ def wait_until(proc: subprocess.Popen, work: Path, condition, timeout: float, wh
         try:
             if condition():
                 return
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         if time.time() > deadline:
             raise RuntimeError(f"not {what} after {timeout} s:\n{(work / 'serve.log').read_text()[-4000:]}")
