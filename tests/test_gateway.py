@@ -87,20 +87,24 @@ def launch(work: Path, config: dict, *args: str, env: dict | None = None) -> tup
     return proc, f"http://127.0.0.1:{config['port']}"
 
 
+def log_tails(work: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(work.glob("*.log"))) or "(no log)"
+
+
 def wait_until(proc: subprocess.Popen, work: Path, condition, timeout: float, what: str) -> None:
     """Poll `condition` (HTTP errors and bodies that are not JSON yet count as not yet) until it holds; fail
     with the log if the process exits."""
     deadline = time.time() + timeout
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"swiftkv serve exited with {proc.returncode}:\n{(work / 'serve.log').read_text()[-4000:]}")
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{log_tails(work)}")
         try:
             if condition():
                 return
         except (httpx.HTTPError, ValueError):
             pass
         if time.time() > deadline:
-            raise RuntimeError(f"not {what} after {timeout} s:\n{(work / 'serve.log').read_text()[-4000:]}")
+            raise RuntimeError(f"not {what} after {timeout} s:\n{log_tails(work)}")
         time.sleep(0.5)
 
 
