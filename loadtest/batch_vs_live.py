@@ -2,7 +2,8 @@
 
 One `swiftkv serve` (the embedded default config unless --config: SmolLM2 SwiftKV + base pools, in-process
 engines, priority scheduling) is started with a fresh data dir. A steady trickle of live streamed chat
-requests is sent twice, at the same times and with the same prompts:
+requests is sent twice, at the same times, with prompts of the same lengths (not the same prompts, which
+vLLM's prefix cache would serve the second time):
   idle   on the idle platform;
   busy   while a batch of prompt-heavy lines (1,000-token windows of held-out text, 10:1) keeps the engines busy.
 Reported: live TTFT p50/p99 in both phases and their ratio (target: p50 within 1.25x), and the batch's
@@ -26,6 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from loadtest.platform_bench import free_port, pct, swiftkv_serve  # noqa: E402
 
@@ -81,8 +85,11 @@ async def measure(args, base: str, live_docs: list[str], batch_docs: list[str]) 
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
 
-    await trickle(client, model, live_docs[:2], 0.0, args.live_output_tokens)  # warm both code paths
-    idle = await trickle(client, model, live_docs, args.interval, args.live_output_tokens)
+    # Each phase has prompts of its own (the same lengths, interleaved): a prompt sent twice would be served
+    # from vLLM's prefix cache the second time.
+    warm, idle_docs, busy_docs = live_docs[:2], live_docs[2::2], live_docs[3::2]
+    await trickle(client, model, warm, 0.0, args.live_output_tokens)  # warm both code paths
+    idle = await trickle(client, model, idle_docs, args.interval, args.live_output_tokens)
 
     lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": model, "messages": chat(d), "max_tokens": args.batch_output_tokens, "ignore_eos": True}}
@@ -91,7 +98,7 @@ async def measure(args, base: str, live_docs: list[str], batch_docs: list[str]) 
     batch = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
     while (batch := await client.batches.retrieve(batch.id)).request_counts.completed < 1:  # the engines are busy
         await asyncio.sleep(0.5)
-    busy = await trickle(client, model, live_docs, args.interval, args.live_output_tokens)
+    busy = await trickle(client, model, busy_docs, args.interval, args.live_output_tokens)
     done_during_trickle = batch.request_counts.completed
     batch = await client.batches.retrieve(batch.id)
     still_running = batch.status == "in_progress"
@@ -104,13 +111,17 @@ async def measure(args, base: str, live_docs: list[str], batch_docs: list[str]) 
     usage = [o["response"]["body"]["usage"] for o in out]
     prompt_tokens, output_tokens = sum(u["prompt_tokens"] for u in usage), sum(u["completion_tokens"] for u in usage)
     seconds = batch.completed_at - batch.in_progress_at
+    metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    preempted = sum(s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+                    if s.name == "swiftkv_batch_requests_preempted_total")
     return {
         "batch": {"lines": len(lines), "completed": batch.request_counts.completed, "failed": batch.request_counts.failed,
                   "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "seconds": seconds,
                   "tokens_per_s": round((prompt_tokens + output_tokens) / max(seconds, 1), 1),
                   "prompt_to_output": round(prompt_tokens / max(output_tokens, 1), 1),
+                  "requests_aborted_for_live": int(preempted),
                   "still_running_after_busy_trickle": still_running, "lines_done_when_busy_trickle_started": done_during_trickle},
-        "live": {"requests_per_phase": len(live_docs), "interval_s": args.interval, "output_tokens": args.live_output_tokens,
+        "live": {"requests_per_phase": len(idle_docs), "interval_s": args.interval, "output_tokens": args.live_output_tokens,
                  "idle": ttft_summary(idle), "busy": ttft_summary(busy),
                  "ttft_p50_ratio": round(statistics.median(busy) / statistics.median(idle), 3),
                  "ttft_p99_ratio": round(pct(busy, 99) / pct(idle, 99), 3)},
@@ -138,7 +149,7 @@ def main() -> None:
     from swiftkv_core.hardware import cpu_info
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)  # the prompts first: a text too short fails before any engine starts
-    live_docs = documents(args.text, tokenizer, args.live, args.live_min_tokens, args.live_max_tokens)
+    live_docs = documents(args.text, tokenizer, 2 * args.live + 2, args.live_min_tokens, args.live_max_tokens)
     batch_docs = windows(args.text, tokenizer, args.lines, args.batch_prompt_tokens)
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as work:
