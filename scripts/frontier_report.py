@@ -119,26 +119,30 @@ def plots(rs: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    same_layout: dict[tuple[int, int], int] = {}  # rows of one layout share a speed-up: their labels are stacked
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.6))
+    # One colour per row, one marker per text. Rows of one layout share a speed-up: they are drawn side by side
+    # (dodged by 0.012) so that none hides another.
+    layouts: dict[tuple[int, int], list[str]] = {}
     for r in rs:
-        k = same_layout.get((r["l"], r["g"]), 0)
-        same_layout[(r["l"], r["g"])] = k + 1
-        for d, marker, label in ((r["heldout"], "o", "held-out"), (r["manpages"], "s", "man pages")):
-            if not d:
-                continue
-            a.scatter(r["speedup"], d["top1_agreement"], marker=marker, color="C0" if label == "held-out" else "C1")
-            b.scatter(r["speedup"], d["ppl_ratio"], marker=marker, color="C0" if label == "held-out" else "C1")
-            a.annotate(r["name"], (r["speedup"], d["top1_agreement"]), fontsize=7, xytext=(3, 3 - 8 * k), textcoords="offset points")
-            b.annotate(r["name"], (r["speedup"], d["ppl_ratio"]), fontsize=7, xytext=(3, 3 - 8 * k), textcoords="offset points")
+        layouts.setdefault((r["l"], r["g"]), []).append(r["name"])
+    for i, r in enumerate(rs):
+        group = layouts[(r["l"], r["g"])]
+        x = r["speedup"] + 0.012 * (group.index(r["name"]) - (len(group) - 1) / 2)
+        color = plt.cm.tab10(i % 10)
+        for d, marker in ((r["heldout"], "o"), (r["manpages"], "s")):
+            if d:
+                a.scatter(x, d["top1_agreement"], marker=marker, color=color)
+                b.scatter(x, d["ppl_ratio"], marker=marker, color=color)
+        a.scatter([], [], marker="o", color=color, label=r["name"])
     a.axhline(0.90, color="gray", ls="--", lw=0.8)
     b.axhline(1.05, color="gray", ls="--", lw=0.8)
     a.set(xlabel="prefill speed-up over the base model", ylabel="top-1 agreement with the teacher", title="agreement (target >= 0.90)")
     b.set(xlabel="prefill speed-up over the base model", ylabel="perplexity ratio student / teacher", title="perplexity (target <= 1.05)")
+    b.scatter([], [], marker="o", color="gray", label="held-out docs")
+    b.scatter([], [], marker="s", color="gray", label="man pages")
+    a.legend(fontsize=7, title="row", title_fontsize=7)
+    b.legend(fontsize=7)
     for ax in (a, b):
-        ax.scatter([], [], marker="o", color="C0", label="held-out docs")
-        ax.scatter([], [], marker="s", color="C1", label="man pages")
-        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "frontier.png", dpi=110)
