@@ -31,6 +31,9 @@ declare -A ROW=(
   # a longer budget at one layout (not a frontier row: 4x the tokens, one pass over 2,048 rows, its own cache)
   [l22-1m]="--num-key-value-layers 22 --rows 2048 --max-steps 500 --cache $RUNS/cache-mix-2048-l22"
   [l20-1m]="--num-key-value-layers 20 --rows 2048 --max-steps 500 --cache $RUNS/cache-mix-2048-l20"
+  # T = 1 beat T = 2 at l = 22 (l22-t1): the longer budget and the shipped layout at T = 1
+  [l22-t1-1m]="--num-key-value-layers 22 --temperature 1 --rows 2048 --max-steps 500 --cache $RUNS/cache-mix-2048-l22"
+  [l24-t1]="--num-key-value-layers 24 --temperature 1"
   # data shaped like the SwiftKV pool's traffic (`swiftkv data answers`): 1,024-token rows, same tokens per step
   [l22-answers]="--num-key-value-layers 22 --data $DATA/answers.jsonl --all-tokens --seq-len 1024 --batch-size 2 --rows 125 --cache $RUNS/cache-answers-1024"
 )
