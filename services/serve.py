@@ -167,7 +167,8 @@ def _run_workers(cfg, engine: str, log_level: str, keys_file: str | None, ray_me
     log = logging.getLogger("swiftkv.workers")
     if not cfg.redis_url:
         log.warning("%d workers without redis_url: per-key rate limits are kept by each worker on its own, so a key can be "
-                    "admitted up to %d times its limit; set redis_url (--redis-url, SWIFTKV_REDIS_URL) to share them", workers, workers)
+                    "admitted up to %d times its limit, and batch work in one worker does not make way for live requests at another; "
+                    "set redis_url (--redis-url, SWIFTKV_REDIS_URL) to share both", workers, workers)
     log.info("%d workers on %s:%d; limits.max_concurrent_requests (%s) applies to each", workers, cfg.host, cfg.port,
              cfg.limits.max_concurrent_requests)
     try:

@@ -482,11 +482,8 @@ class GatedBackend:
         return True
 
 
-def test_a_live_request_aborts_batch_prefills_on_its_pool_and_their_lines_run_again(tiny_base, tmp_path):
-    """Three batch lines prefill on the SwiftKV pool; a live request arrives there: the two youngest are aborted
-    (min_in_flight 1 stays), run again on the quiet base-model pool, and the batch completes with every line once."""
-    from prometheus_client import REGISTRY
-
+def gated_gateway(tiny_base, data_dir, **platform):
+    """A gateway with the Batch API over a SwiftKV pool ("prefill") and a base pool ("decode") of GatedBackends."""
     from services.batch.service import BatchService
     from services.gateway.app import Gateway, create_app
     from services.gateway.auth import KeyStore
@@ -494,55 +491,144 @@ def test_a_live_request_aborts_batch_prefills_on_its_pool_and_their_lines_run_ag
     from services.serving.config import PlatformConfig
 
     pool_cfg = {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}
-    cfg = PlatformConfig(model="m", data_dir=str(tmp_path), pools={"prefill": pool_cfg, "decode": pool_cfg},
-                         batch={"max_in_flight": 3, "min_in_flight": 1, "live_quiet_seconds": 60, "poll_seconds": 0.1})
+    cfg = PlatformConfig(model="m", data_dir=str(data_dir), pools={"prefill": pool_cfg, "decode": pool_cfg},
+                         batch={"max_in_flight": 3, "min_in_flight": 1, "live_quiet_seconds": 60, "poll_seconds": 0.1}, **platform)
     backends = {"prefill": GatedBackend("prefill"), "decode": GatedBackend("decode")}
     gateway = Gateway(cfg, backends, Prompter(str(tiny_base)), KeyStore({}))
     for pool in gateway.pools.values():
         pool.ready = True
     service = BatchService(cfg)
     service.attach(gateway)
-    app = create_app(gateway, [service])
-    preempted = lambda: REGISTRY.get_sample_value("swiftkv_batch_requests_preempted_total", {"pool": "prefill"}) or 0.0  # noqa: E731
-    body = {"model": "m", "prompt": "hello " * 20, "max_tokens": 1}  # prompt-heavy: the ratio picks prefill
-    lines = "".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n" for i in range(3))
+    return backends, service, create_app(gateway, [service])
 
-    async def until(condition, timeout=10.0):
-        deadline = time.monotonic() + timeout
-        while not await condition():
-            assert time.monotonic() < deadline, "timed out"
-            await asyncio.sleep(0.02)
+
+PROMPT_HEAVY = {"model": "m", "prompt": "hello " * 20, "max_tokens": 1}  # the ratio picks the SwiftKV pool ("prefill")
+
+
+async def until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def start_batch(c: httpx.AsyncClient, lines: int = 3) -> dict:
+    data = "".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions", "body": PROMPT_HEAVY}) + "\n"
+                   for i in range(lines))
+    f = (await c.post("/v1/files", files={"file": ("in.jsonl", data.encode())}, data={"purpose": "batch"})).json()
+    return (await c.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"})).json()
+
+
+async def completes_every_line_once(c: httpx.AsyncClient, batch: dict) -> None:
+    async def completed():
+        nonlocal batch
+        batch = (await c.get(f"/v1/batches/{batch['id']}")).json()
+        return batch["status"] == "completed"
+    await until(completed)
+    assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    out = (await c.get(f"/v1/files/{batch['output_file_id']}/content")).text
+    assert sorted(json.loads(x)["custom_id"] for x in out.splitlines()) == ["l0", "l1", "l2"]
+
+
+async def live_request_moves_two_prefills(batch_backends: dict, live: httpx.AsyncClient) -> None:
+    """Once the 3 batch lines wait on the SwiftKV pool (`batch_backends`), a live prompt-heavy request (sent through
+    `live`, this gateway or another) is routed there, and the batch runner moves two of its lines to the base pool."""
+    async def prefilling():
+        return batch_backends["prefill"].waiting == 3
+    await until(prefilling)
+    r = await live.post("/v1/completions", json=PROMPT_HEAVY)
+    assert r.status_code == 200 and "pool=prefill" in r.headers["x-swiftkv-route"]
+
+    async def moved():
+        return batch_backends["decode"].served == 2
+    await until(moved)
+
+
+def test_a_live_request_aborts_batch_prefills_on_its_pool_and_their_lines_run_again(tiny_base, tmp_path):
+    """Three batch lines prefill on the SwiftKV pool; a live request arrives there: the two youngest are aborted
+    (min_in_flight 1 stays), run again on the quiet base-model pool, and the batch completes with every line once."""
+    from prometheus_client import REGISTRY
+
+    backends, service, app = gated_gateway(tiny_base, tmp_path)
+    preempted = lambda: REGISTRY.get_sample_value("swiftkv_batch_requests_preempted_total", {"pool": "prefill"}) or 0.0  # noqa: E731
+
+    def batch_requests(status: str) -> float:
+        return sum(s.value for m in REGISTRY.collect() if m.name == "swiftkv_requests" for s in m.samples
+                   if s.name == "swiftkv_requests_total" and s.labels["pool"] == "prefill"
+                   and s.labels["source"] == "batch" and s.labels["status"] == status)
 
     async def run():
         before = preempted()
+        aborted, disconnected = batch_requests("aborted"), batch_requests("client_disconnect")
         backends["decode"].gate.set()
         await service.start()
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
-                f = (await c.post("/v1/files", files={"file": ("in.jsonl", lines.encode())}, data={"purpose": "batch"})).json()
-                batch = (await c.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
-                                                           "completion_window": "24h"})).json()
-
-                async def prefilling():
-                    return backends["prefill"].waiting == 3
-                await until(prefilling)
-                r = await c.post("/v1/completions", json=body)  # live, on the SwiftKV pool
-                assert r.status_code == 200 and "pool=prefill" in r.headers["x-swiftkv-route"]
-
-                async def moved():
-                    return backends["decode"].served == 2
-                await until(moved)
+                batch = await start_batch(c)
+                await live_request_moves_two_prefills(backends, c)
                 assert (backends["prefill"].aborted, backends["prefill"].waiting, preempted()) == (2, 1, before + 2)
+                # counted as aborted by the runner, not as clients that went away
+                assert (batch_requests("aborted"), batch_requests("client_disconnect")) == (aborted + 2, disconnected)
                 backends["prefill"].gate.set()
+                await completes_every_line_once(c, batch)
+        finally:
+            await service.stop()
 
-                async def completed():
-                    nonlocal batch
-                    batch = (await c.get(f"/v1/batches/{batch['id']}")).json()
-                    return batch["status"] == "completed"
-                await until(completed)
-                assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
-                out = (await c.get(f"/v1/files/{batch['output_file_id']}/content")).text
-                assert sorted(json.loads(x)["custom_id"] for x in out.splitlines()) == ["l0", "l1", "l2"]
+    asyncio.run(run())
+
+
+def test_batch_work_makes_way_for_live_traffic_at_another_gateway_process(tiny_base, tmp_path):
+    """Two gateway processes sharing the Redis at 127.0.0.1:6379 (`swiftkv serve --workers 2`): batch lines prefill on
+    gateway b's SwiftKV pool; a live request arrives at gateway a, on its SwiftKV pool: b aborts two of its prefills
+    and runs those lines on its base-model pool, as it would for a live request of its own."""
+    import redis
+
+    from services.batch.live import CHANNEL
+
+    a_backends, a_service, a_app = gated_gateway(tiny_base, tmp_path / "a", redis_url="redis://127.0.0.1:6379/0")
+    b_backends, b_service, b_app = gated_gateway(tiny_base, tmp_path / "b", redis_url="redis://127.0.0.1:6379/0")
+    subscribers = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    listening = subscribers.pubsub_numsub(CHANNEL)[0][1]
+
+    async def run():
+        b_backends["decode"].gate.set()
+        await a_service.start()
+        await b_service.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=a_app), base_url="http://a") as a, \
+                       httpx.AsyncClient(transport=httpx.ASGITransport(app=b_app), base_url="http://b") as b:
+                async def subscribed():
+                    return subscribers.pubsub_numsub(CHANNEL)[0][1] >= listening + 2
+                await until(subscribed)
+                batch = await start_batch(b)
+                await live_request_moves_two_prefills(b_backends, a)  # the live request at the other gateway
+                assert (b_backends["prefill"].aborted, b_backends["prefill"].waiting) == (2, 1)
+                b_backends["prefill"].gate.set()
+                await completes_every_line_once(b, batch)
+        finally:
+            await b_service.stop()
+            await a_service.stop()
+
+    asyncio.run(run())
+
+
+def test_an_unreachable_redis_leaves_each_process_its_own_live_traffic(tiny_base, tmp_path):
+    """redis_url pointing nowhere: the gateway still serves and preempts for its own live traffic, reports the
+    sharing off (swiftkv_batch_live_traffic_shared 0) and stops cleanly."""
+    from prometheus_client import REGISTRY
+
+    backends, service, app = gated_gateway(tiny_base, tmp_path, redis_url="redis://127.0.0.1:1/0")
+
+    async def run():
+        backends["decode"].gate.set()
+        await service.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+                batch = await start_batch(c)
+                await live_request_moves_two_prefills(backends, c)
+                assert REGISTRY.get_sample_value("swiftkv_batch_live_traffic_shared") == 0
+                backends["prefill"].gate.set()
+                await completes_every_line_once(c, batch)
         finally:
             await service.stop()
 
@@ -566,17 +652,21 @@ def test_kill_9_mid_batch_then_restart_resumes_exactly_once(tiny_base, tmp_path)
     p = Platform(tmp_path, "crash", decode_only(tiny_base), SLOW_BATCH, tmp_path / "data").start().wait_ready()
     try:
         client = p.client()
-        lines = batch_lines(40)
+        lines = batch_lines(80)
         b = submit(client, lines)
-        b = wait_for(client, b.id, lambda x: x.request_counts.completed >= 6)
+        wait_for(client, b.id, lambda x: x.request_counts.completed >= 3)
         p.kill9()
+        db = create_engine(f"sqlite:///{tmp_path / 'data' / 'swiftkv.db'}")
+        with db.connect() as conn:  # what the dead process committed; lines it had in flight are lost with it
+            committed = conn.execute(text("SELECT count(*) FROM swiftkv_batch_results WHERE batch_id = :id"), {"id": b.id}).scalar_one()
+        db.dispose()
+        assert committed < len(lines), "the batch finished before the kill: give it more lines"
         p.start().wait_ready()
         b = finished(client, b.id)
-        assert b.status == "completed" and b.request_counts.completed == 40 and b.request_counts.failed == 0
+        assert b.status == "completed" and b.request_counts.completed == len(lines) and b.request_counts.failed == 0
         every_line_once(client, b, [x["custom_id"] for x in lines])
-        # The restarted process served only what was left, not the whole batch again.
-        served = metric(scrape(p.base), "swiftkv_requests_total", source="batch", status="ok")
-        assert 1 <= served <= 40 - 6
+        # The restarted process served exactly what was not committed, once each: not the whole batch again.
+        assert metric(scrape(p.base), "swiftkv_requests_total", source="batch", status="ok") == len(lines) - committed
     finally:
         p.stop()
 

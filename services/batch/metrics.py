@@ -11,3 +11,5 @@ preempted = Counter("swiftkv_batch_requests_preempted", "Batch requests aborted 
 finished = Counter("swiftkv_batches_finished", "Batches that reached a final status", ("status",))
 oldest_pending_age = Gauge("swiftkv_batch_oldest_pending_age_seconds",
                            "Age of the oldest batch line not yet done, over the batches waiting or in progress in the store (0 when none)")
+live_traffic_shared = Gauge("swiftkv_batch_live_traffic_shared", "1 while live traffic is shared with the other gateway processes "
+                            "through Redis (redis_url), so batch work here makes way for their live requests too; 0 otherwise")

@@ -63,8 +63,8 @@ class PoolSlots:
             if cfg.preempt_prefills:
                 pool.on_live_start.append(functools.partial(self.make_way, name))
 
-    def make_way(self, pool: str) -> None:
-        """A live request arrived on `pool`: abort its batch requests still waiting for their first token beyond
+    def make_way(self, pool: str, local: bool = True) -> None:
+        """A live request arrived on `pool` (in this process or another): abort its batch requests still waiting for their first token beyond
         `min_in_flight`, the youngest (least work lost) first."""
         running = self.running[pool]
         excess = len(running) - self.cfg.min_in_flight

@@ -10,6 +10,7 @@ from services.serving.config import PlatformConfig
 
 from .api import build_router, openapi_operations
 from .files import FileStore
+from .live import SharedLiveTraffic
 from .runner import Runner
 from .store import BatchStore
 from .threads import Threads
@@ -23,6 +24,7 @@ class BatchService:
         data_dir = Path(cfg.data_dir).expanduser()
         data_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg.batch
+        self.redis_url = cfg.redis_url
         self.store = BatchStore(cfg.database_url or f"sqlite:///{data_dir / 'swiftkv.db'}")
         self.files = FileStore(data_dir / "files")
         self.io = Threads()
@@ -31,10 +33,14 @@ class BatchService:
     def attach(self, gateway) -> None:
         self.gateway = gateway
         self.runner = Runner(self.store, self.files, gateway, self.cfg, self.io)
+        # with redis_url, batch work here also makes way for live traffic that other gateway processes serve
+        self.live = SharedLiveTraffic(self.redis_url, gateway.pools, self.cfg.live_quiet_seconds) if self.redis_url else None
         self.router = build_router(self)
         self.openapi_operations = openapi_operations(list(self.cfg.completion_windows))
 
     async def start(self) -> None:
+        if self.live is not None:
+            await self.live.start()
         self._task = asyncio.create_task(self.runner.run())
 
     async def stop(self) -> None:
@@ -43,5 +49,7 @@ class BatchService:
             with suppress(asyncio.CancelledError):
                 await self._task
         await self.runner.stop()
+        if self.live is not None:
+            await self.live.stop()
         self.io.close()
         self.store.close()

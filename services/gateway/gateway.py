@@ -246,7 +246,8 @@ class Gateway:
                     yield out
             status = "ok"
         except (asyncio.CancelledError, GeneratorExit):
-            status = "client_disconnect"
+            # No client waits on a batch request: only the batch runner stops one (preempted, cancelled, expired).
+            status = "client_disconnect" if live else "aborted"
             raise
         except BackendDown:
             # The pool cannot serve (engine dead, server unreachable): route around it now; the health

@@ -26,7 +26,7 @@ queue = Histogram("swiftkv_request_queue_time_seconds", "Time the request waited
 overhead = Histogram("swiftkv_gateway_overhead_seconds", "Gateway time before dispatch: parsing, auth, tokenization, limits, routing", ("pool",), buckets=OVERHEAD_BUCKETS)
 prompt_tokens = Counter("swiftkv_prompt_tokens", "Prompt tokens of requests dispatched", PM)
 generation_tokens = Counter("swiftkv_generation_tokens", "Tokens generated", PM)
-requests = Counter("swiftkv_requests", "Requests that reached a pool, by outcome (ok, error, client_disconnect)", PM + ("status",))
+requests = Counter("swiftkv_requests", "Requests that reached a pool, by outcome (ok, error, client_disconnect; aborted: a batch request the batch runner stopped)", PM + ("status",))
 route_decisions = Counter("swiftkv_route_decisions", "Route decisions by pool and reason", ("pool", "reason", "source"))
 in_flight = Gauge("swiftkv_requests_in_flight", "Requests being served", ("pool",))
 rejections = Counter("swiftkv_requests_rejected", "Requests refused before reaching a pool, by reason", ("reason", "source"))
@@ -51,7 +51,7 @@ class PoolMetrics:
         self.generation_tokens = generation_tokens.labels(pool, model, source)
         self.in_flight = in_flight.labels(pool)
         self.overhead = overhead.labels(pool)
-        self.requests = {s: requests.labels(pool, model, source, s) for s in ("ok", "error", "client_disconnect")}
+        self.requests = {s: requests.labels(pool, model, source, s) for s in ("ok", "error", "client_disconnect", "aborted")}
 
 
 _pool_metrics: dict[tuple[str, str, str], PoolMetrics] = {}

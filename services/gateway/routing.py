@@ -55,20 +55,31 @@ class PoolState:
     prefill_rate: Ewma = field(default_factory=lambda: Ewma(5000.0))  # tokens/s, from prompt tokens / TTFT
     live_in_flight: int = 0  # live requests from dispatch to the end of their response
     live_ended_at: float = -math.inf  # time.monotonic() when the last of them ended
-    on_live_start: list[Callable[[], None]] = field(default_factory=list, repr=False)  # batch work making way
+    live_elsewhere_at: float = -math.inf  # when another gateway process last reported live traffic here
+    # called with local=True when a live request starts here, False when another process reports one
+    # (services/batch: batch work making way, and telling the other processes)
+    on_live_start: list[Callable[[bool], None]] = field(default_factory=list, repr=False)
 
     def live_started(self) -> None:
         self.live_in_flight += 1
-        for make_way in self.on_live_start:
-            make_way()
+        for hook in self.on_live_start:
+            hook(True)
+
+    def live_elsewhere(self) -> None:
+        """Another gateway process has live traffic on this pool (services/batch/live.py): counted as a live
+        request of this process that ended just now."""
+        self.live_elsewhere_at = time.monotonic()
+        for hook in self.on_live_start:
+            hook(False)
 
     def live_ended(self) -> None:
         self.live_in_flight -= 1
         self.live_ended_at = time.monotonic()
 
     def live_busy(self, quiet_seconds: float) -> bool:
-        """Live traffic is on this pool: a live request is in flight, or one ended less than `quiet_seconds` ago."""
-        return self.live_in_flight > 0 or time.monotonic() - self.live_ended_at < quiet_seconds
+        """Live traffic is on this pool: a live request is in flight, or one ended less than `quiet_seconds` ago
+        (here or in another gateway process)."""
+        return self.live_in_flight > 0 or time.monotonic() - max(self.live_ended_at, self.live_elsewhere_at) < quiet_seconds
 
     def wait_seconds(self) -> float:
         return self.backlog_tokens / max(self.prefill_rate.value, 1.0)

@@ -204,7 +204,8 @@ class PlatformConfig(StrictModel):
     data_dir: str = Field("~/.local/share/swiftkv", description="batch files and the embedded SQLite database")
     database_url: str | None = Field(None, description="SQLAlchemy URL of the batch store (postgresql://...); default: SQLite in data_dir")
     redis_url: str | None = Field(None, description="Redis (redis://host:6379/0) holding the per-key rate limits that several "
-                                  "gateway processes share; default: each process keeps its own in memory")
+                                  "gateway processes share, and carrying their live traffic to each other's batch runners; "
+                                  "default: each process keeps its own limits in memory and sees only its own live traffic")
     batch: BatchConfig = Field(default_factory=BatchConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
 

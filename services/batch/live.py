@@ -1,0 +1,106 @@
+"""Live traffic shared between gateway processes through Redis (`redis_url`), so batch work in every process
+makes way for a live request that arrived at any of them (`swiftkv serve --workers N`, or several gateway
+replicas behind one Service).
+
+Each process publishes "live traffic on pool P" on one channel when a live request starts there, every
+heartbeat while its live requests on P are in flight, and once after the last of them ended. Every other
+process takes such a message as a live request that ended on P just now (`PoolState.live_elsewhere`): the pool
+is live-busy for `live_quiet_seconds` more, and its batch prefills beyond `min_in_flight` are preempted as
+for a local live request. Nothing is counted across processes, so a process that dies leaves no pool busy
+for longer than the quiet time. While Redis is unreachable each process sees only its own live traffic
+(`swiftkv_batch_live_traffic_shared` 0) and tries again every `RETRY_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import secrets
+import time
+from contextlib import suppress
+
+from services.gateway.routing import PoolState
+
+from . import metrics
+
+log = logging.getLogger("swiftkv.batch")
+
+CHANNEL = "swiftkv:live"
+RETRY_SECONDS = 5.0
+
+
+class SharedLiveTraffic:
+    def __init__(self, redis_url: str, pools: dict[str, PoolState], quiet_seconds: float):
+        self.redis_url, self.pools = redis_url, pools
+        self.origin = secrets.token_hex(6)  # this process: its own messages are not news to it
+        # Heartbeats closer than the quiet time, so a long live request elsewhere keeps the pool busy throughout.
+        self.heartbeat = min(1.0, max(quiet_seconds / 2, 0.1))
+        self.started: set[str] = set()
+        self.wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        for name, pool in pools.items():
+            pool.on_live_start.append(functools.partial(self._local_start, name))
+        metrics.live_traffic_shared.set(0)
+
+    def _local_start(self, pool: str, local: bool) -> None:
+        if not local:
+            return  # news from another process: not ours to repeat
+        self.started.add(pool)
+        self.wake.set()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        import redis
+        import redis.asyncio as aioredis
+
+        while True:
+            # keepalive: a subscriber blocks in listen() for as long as nothing is published; a dead peer must still show
+            client = aioredis.Redis.from_url(self.redis_url, socket_connect_timeout=1.0, socket_keepalive=True)
+            try:
+                async with client.pubsub() as pubsub:
+                    await pubsub.subscribe(CHANNEL)
+                    metrics.live_traffic_shared.set(1)
+                    log.info("batch: live traffic shared through Redis (channel %s)", CHANNEL)
+                    async with asyncio.TaskGroup() as tasks:
+                        tasks.create_task(self._publish(client))
+                        tasks.create_task(self._listen(pubsub))
+            except* (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+                log.warning("batch: Redis unreachable (%s); batch work makes way only for this process's live "
+                            "traffic until it answers", e.exceptions[0])
+            except* Exception:
+                log.exception("batch: sharing live traffic through Redis failed; trying again")
+            finally:
+                metrics.live_traffic_shared.set(0)
+                await client.aclose()
+            await asyncio.sleep(RETRY_SECONDS)
+
+    async def _publish(self, client) -> None:
+        last_round = time.monotonic()
+        while True:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), self.heartbeat)
+            self.wake.clear()
+            now = time.monotonic()
+            busy = self.started | {name for name, p in self.pools.items()
+                                   if p.live_in_flight > 0 or p.live_ended_at >= last_round}
+            self.started = set()
+            last_round = now
+            for name in busy:
+                await client.publish(CHANNEL, f"{self.origin} {name}")
+
+    async def _listen(self, pubsub) -> None:
+        async for message in pubsub.listen():
+            if message["type"] != "message":
+                continue
+            origin, _, name = message["data"].decode().partition(" ")
+            if origin != self.origin and name in self.pools:
+                self.pools[name].live_elsewhere()
