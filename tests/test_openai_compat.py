@@ -334,28 +334,34 @@ def test_a_tool_call_round_trips(ours, theirs, platform, bare):
 
 
 def test_priority_orders_the_engines_queue(ours):
-    """The SwiftKV pool runs one sequence at a time: while a long request runs, a request sent later with a
+    """The SwiftKV pool runs one sequence at a time: while long requests hold it, a request sent later with a
     lower priority value starts before one sent earlier with a higher one (vLLM's priority scheduling,
     the mechanism batch work uses)."""
     import threading
 
-    done: list[str] = []
+    done: dict[str, float] = {}
 
     def run(name, priority, max_tokens):
         complete(ours, PREFILL, max_tokens=max_tokens, seed=1, temperature=1.0, ignore_eos=True, priority=priority)
-        done.append(name)
+        done[name] = time.monotonic()
 
-    long = threading.Thread(target=run, args=("long", 0, 300))
-    long.start()
-    time.sleep(0.5)
-    late = threading.Thread(target=run, args=("late-urgent", -5, 4))
+    # Two long requests ahead (the second waits behind the first): the queue stays busy for at least one whole
+    # long request after the others arrive, however fast the CPU.
+    threads = [threading.Thread(target=run, args=(f"long{i}", 0, 480)) for i in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
     early = threading.Thread(target=run, args=("early-background", 5, 4))
+    late = threading.Thread(target=run, args=("late-urgent", -5, 4))
     early.start()
-    time.sleep(0.3)
+    time.sleep(0.2)
     late.start()
-    for t in (long, early, late):
+    late_sent = time.monotonic()
+    threads += [early, late]
+    for t in threads:
         t.join(120)
-    assert done.index("late-urgent") < done.index("early-background"), done
+    assert late_sent < done["long1"], "the long requests ended before the others were queued"
+    assert done["late-urgent"] < done["early-background"], sorted(done, key=done.get)
 
 
 def test_streamed_usage_with_continuous_stats(ours, theirs):
