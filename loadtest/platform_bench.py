@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -216,14 +216,42 @@ def swiftkv_serve(args: list[str], port: int, log_path: Path, ready_timeout_s: f
             time.sleep(1)
         yield base, proc
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_tree(proc)
+
+
+def stop_tree(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """SIGTERM to PROC's process group, then wait until PROC and every process it started are gone, SIGKILL after
+    GRACE_S. Waiting for the leader alone is not enough: engine cores finish exiting a moment after it, and
+    multiprocessing's resource tracker ignores SIGTERM and leaves only once the last of them has closed its pipe."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+
+    def running() -> list:  # a zombie has exited: it only waits for its parent to reap it
+        left = []
+        for p in tree:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return left
+
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        for p in running():  # a descendant that left the group is still ours to stop
+            with suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
+        deadline = time.time() + wait_s
+        while running() and time.time() < deadline:
+            time.sleep(0.2)
+        if not running():
+            break
+    proc.wait()
 
 
 # --------------------------------------------------------------------------------------------------
