@@ -37,8 +37,9 @@ declare -A ROW=(
   # data shaped like the SwiftKV pool's traffic (`swiftkv data answers`): 1,024-token rows, same tokens per step
   [l22-answers]="--num-key-value-layers 22 --data $DATA/answers.jsonl --all-tokens --seq-len 1024 --batch-size 2 --rows 125 --cache $RUNS/cache-answers-1024"
 )
+# float32 on every CPU: precision is not a variable of the frontier (auto would pick bf16 autocast on CPUs with native bf16)
 COMMON=(--base "$BASE" --data "$DATA/train.jsonl" --cache "$CACHE" --init lstsq --lr 1e-3 --max-steps 125
-        --batch-size 8 --seq-len 256 --rows 512 --checkpoint-every 25)
+        --batch-size 8 --seq-len 256 --rows 512 --checkpoint-every 25 --precision fp32)
 # THREADS=1 keeps one core free for other work (the results do not depend on it).
 THREADS_FLAG=(); [ -n "${THREADS:-}" ] && THREADS_FLAG=(--threads "$THREADS")
 

@@ -5,7 +5,8 @@
 Reads, per row, RUNS/ROW/{summary.json, metrics.jsonl, eval-heldout.json, eval-heldout_manpages.json} and
 RUNS/speed-lL-gG.json (`swiftkv bench engine`); where a layout has no engine measurement the FLOPs bound of
 `swiftkv analyze flops` (2,000-token prompts) is shown instead, marked "bound", unless a recorded row of the
-same layout carries a measured one. Rows are trained on several
+same layout carries a measured one. A measurement in RUNS replaces the recorded speed-up of every row of its
+layout (the newer one). Rows are trained on several
 machines and runs/ is not kept, so each finished row's figures and learning curve are recorded in
 OUT/frontier-rows.json (a row in RUNS replaces its record) and the table and plots are drawn from all recorded
 rows. Prints the Markdown table and writes OUT/frontier.png (quality against prefill speed-up) and
@@ -51,7 +52,8 @@ def _machine(summary: dict) -> str:
     if not m:
         return "-"
     kind = "AMX" if m.get("amx") else "AVX-512" if m.get("avx512") else "AVX2"
-    return f"{m['cpu_model']}, {kind}, {'bf16' if summary.get('precision') == 'bf16' else 'float32'}"
+    cpu = m["cpu_model"].replace("(R)", "").replace("(TM)", "").replace(" Processor", "")  # "Intel(R) Xeon(R) Processor" -> "Intel Xeon"
+    return f"{cpu}, {kind}, {'bf16' if summary.get('precision') == 'bf16' else 'float32'}"
 
 
 def recipe(cfg: dict) -> str:
@@ -81,14 +83,28 @@ def rows(runs: Path) -> list[dict]:
     return out
 
 
-def merged(recorded: list[dict], fresh: list[dict]) -> list[dict]:
+def measurements(runs: Path) -> dict[tuple[int, int], float]:
+    """The layouts' prefill speed-ups measured in RUNS (`scripts/frontier.sh speed L:G`)."""
+    out = {}
+    for path in runs.glob("speed-l*-g*.json") if runs.is_dir() else []:
+        l, g = path.stem.removeprefix("speed-l").split("-g")
+        out[(int(l), int(g))] = json.loads(path.read_text())["prefill_speedup"]
+    return out
+
+
+def merged(recorded: list[dict], fresh: list[dict], measured_now: dict[tuple[int, int], float] | None = None) -> list[dict]:
     """The recorded rows with those found in RUNS put in their place (by name), ordered by layout."""
     by_name = {r["name"]: r for r in recorded} | {r["name"]: r for r in fresh}
-    # A speed-up depends on the layout only: a row showing the FLOPs bound takes a measured one of its layout.
-    measured = {(r["l"], r["g"]): r["speedup"] for r in recorded + fresh if r["speedup_how"] == "measured"}
+    # A speed-up depends on the layout only: a measurement in RUNS is the newest for every row of its layout, and
+    # a row showing the FLOPs bound takes a measured one of its layout.
+    now = measured_now or {}
+    earlier = {(r["l"], r["g"]): r["speedup"] for r in recorded + fresh if r["speedup_how"] == "measured"}
     for r in by_name.values():
-        if r["speedup_how"] == "bound" and (r["l"], r["g"]) in measured:
-            r["speedup"], r["speedup_how"] = measured[(r["l"], r["g"])], "measured"
+        layout = (r["l"], r["g"])
+        if layout in now:
+            r["speedup"], r["speedup_how"] = now[layout], "measured"
+        elif r["speedup_how"] == "bound" and layout in earlier:
+            r["speedup"], r["speedup_how"] = earlier[layout], "measured"
     return sorted(by_name.values(), key=lambda r: (r["l"], r["g"], r["name"]))
 
 
@@ -128,7 +144,7 @@ def plots(rs: list[dict], out: Path) -> None:
     for i, r in enumerate(rs):
         group = layouts[(r["l"], r["g"])]
         x = r["speedup"] + 0.012 * (group.index(r["name"]) - (len(group) - 1) / 2)
-        color = plt.cm.tab10(i % 10)
+        color = plt.cm.tab20(i % 20)  # more rows than tab10 has colours
         for d, marker in ((r["heldout"], "o"), (r["manpages"], "s")):
             if d:
                 a.scatter(x, d["top1_agreement"], marker=marker, color=color)
@@ -157,7 +173,7 @@ def plots(rs: list[dict], out: Path) -> None:
             smooth = [sum(ys[max(0, i - k + 1) : i + 1]) / len(ys[max(0, i - k + 1) : i + 1]) for i in range(len(ys))]
             line, = ax.plot(xs, smooth, label=r["name"], lw=1.5)
             ax.plot(xs, ys, color=line.get_color(), lw=0.5, alpha=0.3)
-    ax.set(xlabel="training tokens", ylabel="training KL (T^2-scaled, per target token)\n10-step running mean", title="learning curves", yscale="log")
+    ax.set(xlabel="training tokens", ylabel="training KL (T^2-scaled, per target token)\n10-step running mean", title="learning curves", xscale="log", yscale="log")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -171,7 +187,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs")
     args = ap.parse_args()
     record = Path(args.out) / "frontier-rows.json"
-    rs = merged(json.loads(record.read_text()) if record.exists() else [], rows(Path(args.runs)))
+    rs = merged(json.loads(record.read_text()) if record.exists() else [], rows(Path(args.runs)), measurements(Path(args.runs)))
     if not rs:
         raise SystemExit(f"no finished runs in {args.runs} and no rows recorded in {record}")
     record.parent.mkdir(parents=True, exist_ok=True)

@@ -29,3 +29,14 @@ def test_the_recipe_column_names_what_a_row_adds_to_the_common_recipe():
     assert frontier_report.recipe({"data": "data/mix/train.jsonl", "hidden_weight": 0.0}) == "-"
     assert frontier_report.recipe({"data": "data/mix/train.jsonl", "hidden_weight": 1.0}) == "hidden MSE x1"
     assert frontier_report.recipe({"data": "data/mix/answers.jsonl", "hidden_weight": 0.0}) == "data answers.jsonl"
+
+
+def test_a_layout_measured_in_runs_replaces_every_recorded_speedup_of_that_layout(tmp_path):
+    (tmp_path / "speed-l20-g1.json").write_text('{"prefill_speedup": 1.45}')
+    (tmp_path / "speed-l18-g1.json").write_text('{"prefill_speedup": 1.56}')
+    now = frontier_report.measurements(tmp_path)
+    assert now == {(20, 1): 1.45, (18, 1): 1.56}
+    recorded = [_row("l20", 20, 1, 1.60, "measured"), _row("l20-t1", 20, 1, 1.47, "bound"), _row("l22", 22, 1, 1.31, "measured")]
+    rs = {r["name"]: r for r in frontier_report.merged(recorded, [_row("l18", 18, 1, 1.62, "bound")], now)}
+    assert [(rs[n]["speedup"], rs[n]["speedup_how"]) for n in ("l18", "l20", "l20-t1", "l22")] == [
+        (1.56, "measured"), (1.45, "measured"), (1.45, "measured"), (1.31, "measured")]
