@@ -65,8 +65,10 @@ def run_guidellm(cmd: list[str], cwd: Path, timeout: float) -> dict:
 
 
 def guidellm_figures(report: dict) -> dict:
-    """guidellm's own figures (its TTFT percentiles; its rates, a time-weighted mean over the measured window, which
-    is total / window), and the same recomputed from its per-request records our way (pct, totals / span)."""
+    """guidellm's own figures (its TTFT percentiles, the lowest record whose cumulative share reaches the percentile,
+    where ours interpolate between records; its rates, a time-weighted mean over the measured window, which is
+    total / window), and the same recomputed from its per-request records our way (pct, totals / span), with the
+    records' TTFTs themselves."""
     (b,) = report["benchmarks"]
     m = b["metrics"]
     ok = b["requests"]["successful"]
@@ -84,7 +86,7 @@ def guidellm_figures(report: dict) -> dict:
         "prompt_tokens_mean": mean("prompt_tokens"), "output_tokens_mean": mean("output_tokens"),
         "recomputed": {"ttft_p50_s": r4(pct(ttfts, 50)), "ttft_p99_s": r4(pct(ttfts, 99)),
                        "output_tok_s": round(sum(r["output_tokens"] or 0 for r in ok) / span, 1),
-                       "requests_per_s": r4(len(ok) / span)},
+                       "requests_per_s": r4(len(ok) / span), "ttft_s": sorted(r4(t) for t in ttfts)},
     }
 
 
