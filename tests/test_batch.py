@@ -505,6 +505,17 @@ def gated_gateway(tiny_base, data_dir, **platform):
 PROMPT_HEAVY = {"model": "m", "prompt": "hello " * 20, "max_tokens": 1}  # the ratio picks the SwiftKV pool ("prefill")
 
 
+@contextlib.asynccontextmanager
+async def running(service, app, host: str = "gw"):
+    """The batch service started, and a client of its gateway app; the service stopped after."""
+    await service.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=f"http://{host}") as c:
+            yield c
+    finally:
+        await service.stop()
+
+
 async def until(condition, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not await condition():
@@ -561,18 +572,14 @@ def test_a_live_request_aborts_batch_prefills_on_its_pool_and_their_lines_run_ag
         before = preempted()
         aborted, disconnected = batch_requests("aborted"), batch_requests("client_disconnect")
         backends["decode"].gate.set()
-        await service.start()
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
-                batch = await start_batch(c)
-                await live_request_moves_two_prefills(backends, c)
-                assert (backends["prefill"].aborted, backends["prefill"].waiting, preempted()) == (2, 1, before + 2)
-                # counted as aborted by the runner, not as clients that went away
-                assert (batch_requests("aborted"), batch_requests("client_disconnect")) == (aborted + 2, disconnected)
-                backends["prefill"].gate.set()
-                await completes_every_line_once(c, batch)
-        finally:
-            await service.stop()
+        async with running(service, app) as c:
+            batch = await start_batch(c)
+            await live_request_moves_two_prefills(backends, c)
+            assert (backends["prefill"].aborted, backends["prefill"].waiting, preempted()) == (2, 1, before + 2)
+            # counted as aborted by the runner, not as clients that went away
+            assert (batch_requests("aborted"), batch_requests("client_disconnect")) == (aborted + 2, disconnected)
+            backends["prefill"].gate.set()
+            await completes_every_line_once(c, batch)
 
     asyncio.run(run())
 
@@ -592,22 +599,15 @@ def test_batch_work_makes_way_for_live_traffic_at_another_gateway_process(tiny_b
 
     async def run():
         b_backends["decode"].gate.set()
-        await a_service.start()
-        await b_service.start()
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=a_app), base_url="http://a") as a, \
-                       httpx.AsyncClient(transport=httpx.ASGITransport(app=b_app), base_url="http://b") as b:
-                async def subscribed():
-                    return subscribers.pubsub_numsub(CHANNEL)[0][1] >= listening + 2
-                await until(subscribed)
-                batch = await start_batch(b)
-                await live_request_moves_two_prefills(b_backends, a)  # the live request at the other gateway
-                assert (b_backends["prefill"].aborted, b_backends["prefill"].waiting) == (2, 1)
-                b_backends["prefill"].gate.set()
-                await completes_every_line_once(b, batch)
-        finally:
-            await b_service.stop()
-            await a_service.stop()
+        async with running(a_service, a_app, "a") as a, running(b_service, b_app, "b") as b:
+            async def subscribed():
+                return subscribers.pubsub_numsub(CHANNEL)[0][1] >= listening + 2
+            await until(subscribed)
+            batch = await start_batch(b)
+            await live_request_moves_two_prefills(b_backends, a)  # the live request at the other gateway
+            assert (b_backends["prefill"].aborted, b_backends["prefill"].waiting) == (2, 1)
+            b_backends["prefill"].gate.set()
+            await completes_every_line_once(b, batch)
 
     asyncio.run(run())
 
@@ -621,16 +621,12 @@ def test_an_unreachable_redis_leaves_each_process_its_own_live_traffic(tiny_base
 
     async def run():
         backends["decode"].gate.set()
-        await service.start()
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
-                batch = await start_batch(c)
-                await live_request_moves_two_prefills(backends, c)
-                assert REGISTRY.get_sample_value("swiftkv_batch_live_traffic_shared") == 0
-                backends["prefill"].gate.set()
-                await completes_every_line_once(c, batch)
-        finally:
-            await service.stop()
+        async with running(service, app) as c:
+            batch = await start_batch(c)
+            await live_request_moves_two_prefills(backends, c)
+            assert REGISTRY.get_sample_value("swiftkv_batch_live_traffic_shared") == 0
+            backends["prefill"].gate.set()
+            await completes_every_line_once(c, batch)
 
     asyncio.run(run())
 

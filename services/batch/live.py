@@ -38,7 +38,6 @@ class SharedLiveTraffic:
         self.heartbeat = min(1.0, max(quiet_seconds / 2, 0.1))
         self.started: set[str] = set()
         self.wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
         for name, pool in pools.items():
             pool.on_live_start.append(functools.partial(self._local_start, name))
         metrics.live_traffic_shared.set(0)
@@ -49,16 +48,8 @@ class SharedLiveTraffic:
         self.started.add(pool)
         self.wake.set()
 
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """Until cancelled (BatchService runs it beside the runner)."""
         import redis
         import redis.asyncio as aioredis
 

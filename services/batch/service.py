@@ -28,7 +28,7 @@ class BatchService:
         self.store = BatchStore(cfg.database_url or f"sqlite:///{data_dir / 'swiftkv.db'}")
         self.files = FileStore(data_dir / "files")
         self.io = Threads()
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def attach(self, gateway) -> None:
         self.gateway = gateway
@@ -39,17 +39,15 @@ class BatchService:
         self.openapi_operations = openapi_operations(list(self.cfg.completion_windows))
 
     async def start(self) -> None:
-        if self.live is not None:
-            await self.live.start()
-        self._task = asyncio.create_task(self.runner.run())
+        loops = [self.runner.run()] + ([self.live.run()] if self.live is not None else [])
+        self._tasks = [asyncio.create_task(loop) for loop in loops]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with suppress(asyncio.CancelledError):
-                await self._task
+                await task
         await self.runner.stop()
-        if self.live is not None:
-            await self.live.stop()
         self.io.close()
         self.store.close()
