@@ -34,6 +34,9 @@ declare -A ROW=(
   # T = 1 beat T = 2 at l = 22 (l22-t1): the longer budget and the shipped layout at T = 1
   [l22-t1-1m]="--num-key-value-layers 22 --temperature 1 --rows 2048 --max-steps 500 --cache $RUNS/cache-mix-2048-l22"
   [l24-t1]="--num-key-value-layers 24 --temperature 1"
+  # more capacity in the later layers: student-only rank-16 adapters on o_proj and the MLP of layers >= l, at T = 1
+  [l22-lora]="--num-key-value-layers 22 --temperature 1 --train-scope lora"
+  [l20-lora]="--num-key-value-layers 20 --temperature 1 --train-scope lora"
   # data shaped like the SwiftKV pool's traffic (`swiftkv data answers`): 1,024-token rows, same tokens per step
   [l22-answers]="--num-key-value-layers 22 --data $DATA/answers.jsonl --all-tokens --seq-len 1024 --batch-size 2 --rows 125 --cache $RUNS/cache-answers-1024"
 )

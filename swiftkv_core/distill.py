@@ -15,7 +15,9 @@ frozen) is applied to target rows only, in float32, chunk by chunk with the KL g
 
 Only `norm_swiftkv`, `q_proj_swiftkv` and `k/v_proj_swiftkv` train (`--train-scope swiftkv`, the paper's
 recipe); `--train-scope full-layers` also trains every weight of layers >= l (the paper's ablation; the
-teacher then keeps its own frozen copy of those layers). `--loss lm` replaces the KL by the plain
+teacher then keeps its own frozen copy of those layers); `--train-scope lora` adds low-rank adapters to
+o_proj and the MLP of layers >= l (`--lora-rank`, `--lora-alpha`, `--lora-modules`), acting in the student pass
+only, so the teacher still runs the one frozen copy. `--loss lm` replaces the KL by the plain
 next-token loss (the other ablation). AdamW, lr 2e-4, linear schedule with 5% warm-up. The later layers
 run in bfloat16 autocast only on CPUs with native bf16 (`precision auto`); elsewhere float32.
 
@@ -23,8 +25,9 @@ Run state lives in OUT/: `metrics.jsonl` (one line per logged step), `state.pt` 
 optimizer, scheduler, step; written every `checkpoint_every` steps and at the end), `run.json` (the
 settings). Running again with the same OUT resumes from `state.pt`: the data order is a pure function of
 (seed, step), so a resumed run replays the same batches. At the end OUT holds a complete SwiftKV checkpoint
-in the Snowflake format (config `llama_swiftkv`, every original tensor plus the SwiftKV ones), which the
-vLLM plugin serves, and `trained/swiftkv-trained.safetensors` (only the trained tensors, for shipping).
+in the Snowflake format (config `llama_swiftkv`, every original tensor plus the SwiftKV ones; adapters merged
+into their weights), which the vLLM plugin serves, and `trained/swiftkv-trained.safetensors` (only the
+trained tensors, adapters as their factors `<linear>.lora_A` / `.lora_B`, for shipping).
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ import copy
 import json
 import math
 import os
+import pickle
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -45,7 +49,7 @@ import torch.nn.functional as F
 from .config import LlamaSwiftKVConfig, check_swiftkv_layout, swiftkv_config_from_base
 from .data import DataError, PackedData, load_packed, loss_mask
 from .hardware import cpu_info
-from .modeling import LlamaSwiftKVForCausalLM, LowerState
+from .modeling import ADAPTER_MODULES, LlamaSwiftKVForCausalLM, LowerState, check_adapter_settings
 from .shipped import TRAINED_FILE
 
 STATE_FILE = "state.pt"
@@ -66,7 +70,10 @@ class DistillConfig:
     loss: str = "kl"  # kl | lm
     temperature: float = 2.0
     hidden_weight: float = 0.0  # weight of the MSE of the final normed hidden states (0 = off)
-    train_scope: str = "swiftkv"  # swiftkv | full-layers
+    train_scope: str = "swiftkv"  # swiftkv | full-layers | lora (student-only low-rank adapters on layers >= l, + swiftkv)
+    lora_rank: int = 16
+    lora_alpha: float = 16.0  # adapter update scaled by lora_alpha / lora_rank
+    lora_modules: str = ",".join(ADAPTER_MODULES)  # comma-separated, among ADAPTER_MODULES
     init: str = "snowflake"  # snowflake | lstsq (least-squares fit of the K/V projections to the teacher's) | lstsq-qkv (and the queries)
     init_tokens: int = 32768  # tokens used by the lstsq initialisation
     lr: float = 2e-4
@@ -129,15 +136,27 @@ def build_student(base: str | Path, num_key_value_layers: int, key_value_group_s
     return model.eval()
 
 
+TRAIN_SCOPES = ("swiftkv", "full-layers", "lora")
+
+
+def lora_modules(cfg: DistillConfig) -> tuple[str, ...]:
+    return tuple(m.strip() for m in cfg.lora_modules.split(",") if m.strip())
+
+
 def trainable_parameters(model: LlamaSwiftKVForCausalLM, scope: str) -> dict[str, torch.nn.Parameter]:
-    """Name -> parameter of what trains; everything else is frozen (requires_grad False)."""
+    """Name -> parameter of what trains; everything else is frozen (requires_grad False). `lora` trains the
+    adapters `model.add_adapters` gave the student, and the SwiftKV tensors."""
     if scope == "swiftkv":
         chosen = model.swiftkv_parameters()
     elif scope == "full-layers":
         later = tuple(f"model.layers.{i}." for i in model.config.swiftkv_layers)
         chosen = {n: p for n, p in model.named_parameters() if n.startswith(later) or n in model.swiftkv_parameters()}
+    elif scope == "lora":
+        if not model.adapter_parameters():
+            raise DistillError("train scope 'lora' needs adapters on the model (model.add_adapters)")
+        chosen = {**model.swiftkv_parameters(), **model.adapter_parameters()}
     else:
-        raise DistillError(f"train scope must be 'swiftkv' or 'full-layers', got {scope!r}")
+        raise DistillError(f"train scope must be {', '.join(TRAIN_SCOPES)}, got {scope!r}")
     for n, p in model.named_parameters():
         p.requires_grad_(n in chosen)
     return chosen
@@ -384,7 +403,8 @@ def _save_state(path: Path, step: int, trainable: dict, optimizer, scheduler, el
     os.replace(tmp, path)
 
 
-RESUME_KEYS = ("base", "data", "num_key_value_layers", "key_value_group_size", "loss", "train_scope", "batch_size", "seq_len", "rows", "seed", "max_steps", "init", "temperature", "hidden_weight", "lr")
+RESUME_KEYS = ("base", "data", "num_key_value_layers", "key_value_group_size", "loss", "train_scope", "batch_size", "seq_len", "rows", "seed", "max_steps", "init", "temperature", "hidden_weight", "lr",
+               "lora_rank", "lora_alpha", "lora_modules")
 
 
 def _check_resume(out: Path, cfg: DistillConfig) -> None:
@@ -392,7 +412,8 @@ def _check_resume(out: Path, cfg: DistillConfig) -> None:
     if not run_file.exists():
         return
     old = json.loads(run_file.read_text())
-    diff = {k: (old.get(k), getattr(cfg, k)) for k in RESUME_KEYS if old.get(k) != getattr(cfg, k)}
+    defaults = {f.name: f.default for f in fields(DistillConfig)}  # a run from before a setting existed had its default
+    diff = {k: (old.get(k, defaults[k]), getattr(cfg, k)) for k in RESUME_KEYS if old.get(k, defaults[k]) != getattr(cfg, k)}
     if diff and (out / STATE_FILE).exists():
         raise DistillError(f"{out} holds a run with different settings {diff}; use another --out or delete it")
 
@@ -404,6 +425,13 @@ def _check_settings(cfg: DistillConfig) -> None:
         raise DistillError(f"init must be 'snowflake', 'lstsq' or 'lstsq-qkv', got {cfg.init!r}")
     if cfg.temperature <= 0 or cfg.max_steps < 1 or cfg.batch_size < 1:
         raise DistillError("temperature, max_steps and batch_size must be positive")
+    if cfg.train_scope not in TRAIN_SCOPES:
+        raise DistillError(f"train scope must be {', '.join(TRAIN_SCOPES)}, got {cfg.train_scope!r}")
+    if cfg.train_scope == "lora":
+        try:
+            check_adapter_settings(cfg.lora_rank, cfg.lora_alpha, lora_modules(cfg))
+        except ValueError as e:
+            raise DistillError(f"lora: {e}") from None
     use_bf16(cfg.precision)
 
 
@@ -441,8 +469,11 @@ def distill(cfg: DistillConfig) -> Path:
         lstsq_init(model, data, cfg.init_tokens)
         if cfg.init == "lstsq-qkv":
             lstsq_fit_queries(model, data, cfg.init_tokens // 2)
+    if cfg.train_scope == "lora":  # drawn from the seed; a resumed run then loads the trained ones
+        model.add_adapters(cfg.lora_rank, cfg.lora_alpha, lora_modules(cfg), seed=cfg.seed)
     trainable = trainable_parameters(model, cfg.train_scope)
-    # With full-layers the later layers change, so the teacher needs its own frozen copy of them.
+    # With full-layers the later layers change, so the teacher needs its own frozen copy of them (lora's
+    # adapters act in the student pass only: its teacher is the shared copy).
     teacher_upper = copy.deepcopy(model).requires_grad_(False) if cfg.train_scope == "full-layers" else model
     optimizer = torch.optim.AdamW(list(trainable.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.max_steps, cfg.warmup))
@@ -450,7 +481,11 @@ def distill(cfg: DistillConfig) -> Path:
     step, elapsed, tokens = 0, 0.0, 0
     state_path, metrics_path = out / STATE_FILE, out / METRICS_FILE
     if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+        try:  # tensors, numbers and containers only: a pickled object in the file is refused, never run
+            state = torch.load(state_path, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise DistillError(f"{state_path} holds objects other than tensors, numbers and containers, so it is not a state "
+                               f"this run saved; it was not loaded (delete it to start the run over)") from e
         with torch.no_grad():
             for n, p in trainable.items():
                 p.copy_(state["trainable"][n])
@@ -540,9 +575,12 @@ def peak_rss_mb() -> float:
 
 def write_checkpoint(model: LlamaSwiftKVForCausalLM, base: str | Path, out: Path, trainable: dict | None = None) -> None:
     """Snowflake-format checkpoint (every tensor, config `llama_swiftkv`) plus tokenizer files, and the
-    trained tensors alone in TRAINED_FILE (the only part that differs from the base model)."""
+    trained tensors alone in TRAINED_FILE (the only part that differs from the base model). Adapters are
+    merged into their weights (the model is changed in place) and kept in TRAINED_FILE as their factors."""
     from safetensors.torch import save_file
 
+    adapters, factors = set(model.adapter_parameters()), model.adapter_factors()
+    model.merge_adapters()  # the engine loads plain weights
     model.config.swiftkv = False  # as in Snowflake's published checkpoints; the serving engine ignores it
     model.save_pretrained(out)
     for item in Path(base).iterdir():
@@ -550,6 +588,7 @@ def write_checkpoint(model: LlamaSwiftKVForCausalLM, base: str | Path, out: Path
             shutil.copy2(item, out / item.name)
     names = trainable.keys() if trainable is not None else model.swiftkv_parameters().keys()
     params = dict(model.named_parameters())
-    tensors = {n: params[n].detach().contiguous() for n in names}
+    tensors = {n: params[n].detach().contiguous() for n in names if n not in adapters}
+    tensors.update({n: t.contiguous() for n, t in factors.items()})
     (out / "trained").mkdir(exist_ok=True)
     save_file(tensors, out / "trained" / TRAINED_FILE, metadata={"format": "pt"})

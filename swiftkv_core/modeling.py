@@ -10,10 +10,16 @@ One module runs as the teacher (the original Llama, `swiftkv=False`) or the stud
 
 Later layers' K/V never depend on later layers' hidden states, so a full-sequence forward here gives
 exactly the logits an engine produces when prompt tokens skip the later layers.
+
+Distillation may give the student low-rank adapters on later layers' o_proj and MLP (`add_adapters`): they
+act in the student pass only, so the teacher keeps the original weights, and are folded into the weights
+(`merge_adapters`) before a checkpoint is written, so engines never see them.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +33,75 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from .config import LlamaSwiftKVConfig
+
+
+# Linear layers of a later layer that may take a student-only adapter (the original q/k/v are the teacher's).
+ADAPTER_MODULES = ("o_proj", "gate_proj", "up_proj", "down_proj")
+# An adapter's factors outside the model (trained tensors, shipped files): `<linear>.lora_A` [r, in] and
+# `<linear>.lora_B` [out, r] with alpha / r folded in, so merging is W += lora_B @ lora_A for `<linear>.weight`.
+ADAPTER_FACTOR = re.compile(r"^(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])$")
+
+
+class LowRankAdapter(nn.Module):
+    """A low-rank update of a frozen linear layer W (LoRA): y = W x + (alpha / r) B A x. A [r, in] starts small
+    and random, B [out, r] at zero, so a new adapter changes nothing until it trains."""
+
+    def __init__(self, linear: nn.Linear, rank: int, alpha: float, generator: torch.Generator):
+        super().__init__()
+        self.scale = alpha / rank
+        bound = 1 / math.sqrt(linear.in_features)  # the usual LoRA init of A (kaiming-uniform, a = sqrt 5)
+        a = torch.empty(rank, linear.in_features, dtype=linear.weight.dtype).uniform_(-bound, bound, generator=generator)
+        self.A = nn.Parameter(a.to(linear.weight.device))
+        self.B = nn.Parameter(torch.zeros(linear.out_features, rank, dtype=linear.weight.dtype, device=linear.weight.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.A), self.B) * self.scale
+
+
+def check_adapter_settings(rank: int, alpha: float, modules: tuple[str, ...]) -> None:
+    """ValueError naming what is wrong with an adapter setting and what would be right."""
+    unknown = sorted(set(modules) - set(ADAPTER_MODULES))
+    if rank < 1 or not alpha > 0 or unknown or not modules:
+        raise ValueError(f"adapters need rank >= 1 (got {rank}), alpha > 0 (got {alpha}) and modules a non-empty subset of "
+                         f"{','.join(ADAPTER_MODULES)} (got {','.join(modules) or 'none'})")
+
+
+def adapted(linear: nn.Linear, x: torch.Tensor, student: bool) -> torch.Tensor:
+    """`linear(x)`, plus its adapter's update in the student pass; the teacher pass always uses W alone."""
+    adapter = getattr(linear, "lora", None)
+    y = linear(x)
+    return y + adapter(x) if student and adapter is not None else y
+
+
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+    """W + lora_B @ lora_A (the scale already in lora_B), computed in float32, returned in W's dtype."""
+    if lora_b.shape[1] != lora_a.shape[0] or (lora_b.shape[0], lora_a.shape[1]) != tuple(weight.shape):
+        raise ValueError(f"adapter factors {tuple(lora_b.shape)} @ {tuple(lora_a.shape)} do not fit a weight of shape {tuple(weight.shape)}")
+    return (weight.float() + lora_b.float() @ lora_a.float()).to(weight.dtype)
+
+
+def adapter_targets(factors: dict[str, torch.Tensor]) -> dict[str, tuple[int, torch.Tensor, torch.Tensor]]:
+    """Weight name -> (layer, lora_A, lora_B) for adapter factors named as ADAPTER_FACTOR describes."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    layers: dict[str, int] = {}
+    for name, tensor in factors.items():
+        match = ADAPTER_FACTOR.match(name)
+        if match is None or match[3] not in ADAPTER_MODULES:
+            raise ValueError(f"{name!r} is not an adapter factor (<layer>.<{'|'.join(ADAPTER_MODULES)}>.lora_A / lora_B)")
+        pairs.setdefault(match[1], {})[match[4]] = tensor
+        layers[match[1]] = int(match[2])
+    unpaired = sorted(f"{prefix}.lora_{'B' if 'A' in ab else 'A'}" for prefix, ab in pairs.items() if len(ab) != 2)
+    if unpaired:
+        raise ValueError(f"adapter factors missing their partner: {unpaired[:4]}")
+    return {f"{prefix}.weight": (layers[prefix], ab["A"], ab["B"]) for prefix, ab in pairs.items()}
+
+
+class SwiftKVMLP(LlamaMLP):
+    """Llama's MLP; in the student pass its projections add their adapters (if any)."""
+
+    def forward(self, x: torch.Tensor, student: bool = False) -> torch.Tensor:
+        gate, up = adapted(self.gate_proj, x, student), adapted(self.up_proj, x, student)
+        return adapted(self.down_proj, self.act_fn(gate) * up, student)
 
 
 class SwiftKVAttention(nn.Module):
@@ -64,7 +139,7 @@ class SwiftKVAttention(nn.Module):
         causal = q.shape[2] > 1
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=self.num_kv_heads != self.num_heads)
         b, _, t, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return adapted(self.o_proj, out.transpose(1, 2).reshape(b, t, -1), swiftkv)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,13 +153,13 @@ class SwiftKVDecoderLayer(nn.Module):
     def __init__(self, config: LlamaSwiftKVConfig, layer_idx: int):
         super().__init__()
         self.self_attn = SwiftKVAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.mlp = SwiftKVMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, h, cos, sin, swiftkv: bool = False, kv=None):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, swiftkv=swiftkv, kv=kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h), student=swiftkv)
 
 
 class SwiftKVModel(nn.Module):
@@ -227,6 +302,45 @@ class LlamaSwiftKVForCausalLM(PreTrainedModel):
     def swiftkv_parameters(self) -> dict[str, nn.Parameter]:
         """The parameters distillation trains: norm_swiftkv and every *_proj_swiftkv."""
         return {n: p for n, p in self.named_parameters() if "swiftkv" in n.split(".")[-2]}
+
+    # Student-only adapters (distillation's `lora` scope); model.layers.{i}.<module>.lora.{A,B} in the model.
+
+    def _adapter_linear(self, layer: int, module: str) -> nn.Linear:
+        block = self.model.layers[layer]
+        return block.self_attn.o_proj if module == "o_proj" else getattr(block.mlp, module)
+
+    def add_adapters(self, rank: int, alpha: float, modules: tuple[str, ...] = ADAPTER_MODULES, seed: int = 0) -> dict[str, nn.Parameter]:
+        """Give `modules` of every later layer (i >= l) a LowRankAdapter; A is drawn from `seed`. Returns them."""
+        check_adapter_settings(rank, alpha, modules)
+        generator = torch.Generator().manual_seed(seed)
+        for i in self.config.swiftkv_layers:
+            for module in ADAPTER_MODULES:  # a fixed order: the same seed gives the same adapters
+                if module in modules:
+                    linear = self._adapter_linear(i, module)
+                    linear.lora = LowRankAdapter(linear, rank, alpha, generator)
+        return self.adapter_parameters()
+
+    def adapter_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.named_parameters() if n.split(".")[-2] == "lora"}
+
+    def adapter_factors(self) -> dict[str, torch.Tensor]:
+        """Each adapter as its factors outside the model: `<linear>.lora_A`, `<linear>.lora_B` (scale folded in)."""
+        factors = {}
+        for name, module in self.named_modules():
+            if isinstance(module, LowRankAdapter):
+                linear = name.removesuffix(".lora")
+                factors[f"{linear}.lora_A"] = module.A.detach().clone()
+                factors[f"{linear}.lora_B"] = module.B.detach() * module.scale
+        return factors
+
+    @torch.no_grad()
+    def merge_adapters(self) -> None:
+        """Fold every adapter into its weight (W += scale * B A) and remove it: the student pass is unchanged,
+        the later layers' teacher pass now uses the merged weights, and the model saves as a plain checkpoint."""
+        params = dict(self.named_parameters())
+        for weight_name, (_, a, b) in adapter_targets(self.adapter_factors()).items():
+            params[weight_name].copy_(merged_weight(params[weight_name], a, b))
+            del self.get_submodule(weight_name.removesuffix(".weight")).lora
 
     @torch.no_grad()
     def greedy_generate(

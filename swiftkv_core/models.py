@@ -61,10 +61,14 @@ def _build_smollm2(out_dir: Path, models_dir: Path) -> None:
 
 
 def _build_default_swiftkv(out_dir: Path, models_dir: Path) -> None:
-    """The base model (prepared if needed) plus the shipped trained tensors."""
-    from .shipped import DEFAULT_SWIFTKV_NAME, WEIGHTS_DIR, assemble_from_trained
+    """The base model (prepared if needed) plus the shipped trained tensors (adapter factors, if the model
+    has any, merged into the base weights of the later layers)."""
+    from .shipped import DEFAULT_SWIFTKV_NAME, WEIGHTS_DIR, ShippedError, assemble_from_trained
 
-    assemble_from_trained(prepare("smollm2-135m-instruct", models_dir), WEIGHTS_DIR / f"{DEFAULT_SWIFTKV_NAME}.safetensors", out_dir)
+    try:
+        assemble_from_trained(prepare("smollm2-135m-instruct", models_dir), WEIGHTS_DIR / f"{DEFAULT_SWIFTKV_NAME}.safetensors", out_dir)
+    except ShippedError as e:  # a missing or mismatched shipped file: the CLI reports it, no traceback
+        raise ModelPrepareError(str(e)) from None
 
 
 REGISTRY: dict[str, NamedModel] = {

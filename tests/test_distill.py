@@ -127,6 +127,18 @@ def test_resume_continues_the_same_run(tiny_base, train_text, tmp_path):
     assert b == pytest.approx(a, rel=1e-4)
 
 
+def test_a_run_from_before_the_lora_settings_resumes_and_other_settings_are_refused(tiny_base, train_text, tmp_path):
+    distill(_cfg(tiny_base, tmp_path / "run", train_text, stop_at=3))
+    run_file = tmp_path / "run" / "run.json"
+    old = {k: v for k, v in json.loads(run_file.read_text()).items() if not k.startswith("lora_")}
+    run_file.write_text(json.dumps(old))  # as written before the settings existed: they had their defaults
+    out = distill(_cfg(tiny_base, tmp_path / "run", train_text))
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 6
+    distill(_cfg(tiny_base, tmp_path / "other", train_text, stop_at=3))
+    with pytest.raises(DistillError, match="different settings.*train_scope"):
+        distill(_cfg(tiny_base, tmp_path / "other", train_text, train_scope="lora"))
+
+
 def test_lm_loss_full_layers_and_lstsq_run(tiny_base, train_text, tmp_path):
     distill(_cfg(tiny_base, tmp_path / "lm", train_text, loss="lm", max_steps=2))
     out = distill(_cfg(tiny_base, tmp_path / "full", train_text, train_scope="full-layers", max_steps=2, hidden_weight=0.5))
