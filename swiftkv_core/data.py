@@ -63,6 +63,8 @@ def load_records(path: str | Path) -> list[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise DataError(f"{path}:{n}: nested too deeply to parse") from None
             if not isinstance(rec, dict) or not ("text" in rec or "messages" in rec):
                 raise DataError(f"{path}:{n}: each line must be an object with 'text' or 'messages'")
             records.append(rec)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 # Tests never reach a model hub: everything they load is built locally (here, or by `models prepare`).
@@ -61,3 +63,30 @@ def smollm2_dir() -> Path:
     from swiftkv_core.models import prepare
 
     return prepare("smollm2-135m-instruct", Path(__file__).resolve().parent.parent / "models")
+
+
+PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"  # the PostgreSQL every developer and CI machine runs
+
+
+@contextmanager
+def fresh_postgres_database(prefix: str):
+    """A new, empty PostgreSQL database (its URL), dropped afterwards."""
+    from sqlalchemy import create_engine, text
+
+    name = f"{prefix}_{secrets.token_hex(4)}"
+    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="module")
+def pg_url():
+    """A fresh PostgreSQL database for one test module."""
+    with fresh_postgres_database("swiftkv_test") as url:
+        yield url

@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import re
-import secrets
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ import pytest
 import yaml
 from sqlalchemy import create_engine, text
 
+from conftest import fresh_postgres_database
 from services.batch.runner import PoolSlots
 from services.gateway.routing import PoolState, RoutePolicy
 from services.serving.config import BatchConfig, RoutingConfig
@@ -30,7 +30,6 @@ from services.serving.config import BatchConfig, RoutingConfig
 KEY_A, KEY_B = "sk-batch-a", "sk-batch-b"
 PUBLIC = "tiny"
 MAX_MODEL_LEN = 512
-PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 20)  # ~200 tokens: prompt-heavy with max_tokens 4
 
 
@@ -283,7 +282,7 @@ def test_malformed_files_fail_the_batch_naming_the_lines(client):
 
 
 def test_bad_requests_are_4xx(platform, client):
-    with pytest.raises(openai.BadRequestError, match="limited to 8000000 bytes|limit of 8000000 bytes"):
+    with pytest.raises(openai.APIStatusError, match="limited to 8000000 bytes"):
         client.files.create(file=("big.jsonl", b"x" * 8_100_000), purpose="batch")
     with pytest.raises(openai.BadRequestError, match="purpose"):
         client.files.create(file=("a.jsonl", b"{}\n"), purpose="assistants")
@@ -482,19 +481,21 @@ class GatedBackend:
         return True
 
 
-def gated_gateway(tiny_base, data_dir, **platform):
-    """A gateway with the Batch API over a SwiftKV pool ("prefill") and a base pool ("decode") of GatedBackends."""
+def gated_gateway(tiny_base, data_dir, batch: dict | None = None, keys: tuple[str, ...] = (), **platform):
+    """A gateway with the Batch API over a SwiftKV pool ("prefill") and a base pool ("decode") of GatedBackends;
+    `batch` overrides batch settings, `keys` are the API keys (none: no key needed)."""
     from services.batch.service import BatchService
     from services.gateway.app import Gateway, create_app
-    from services.gateway.auth import KeyStore
+    from services.gateway.auth import KeyStore, load_keys
     from services.gateway.prompts import Prompter
     from services.serving.config import PlatformConfig
 
     pool_cfg = {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}
     cfg = PlatformConfig(model="m", data_dir=str(data_dir), pools={"prefill": pool_cfg, "decode": pool_cfg},
-                         batch={"max_in_flight": 3, "min_in_flight": 1, "live_quiet_seconds": 60, "poll_seconds": 0.1}, **platform)
+                         batch={"max_in_flight": 3, "min_in_flight": 1, "live_quiet_seconds": 60, "poll_seconds": 0.1} | (batch or {}),
+                         **platform)
     backends = {"prefill": GatedBackend("prefill"), "decode": GatedBackend("decode")}
-    gateway = Gateway(cfg, backends, Prompter(str(tiny_base)), KeyStore({}))
+    gateway = Gateway(cfg, backends, Prompter(str(tiny_base)), KeyStore(load_keys(",".join(keys), None)))
     for pool in gateway.pools.values():
         pool.ready = True
     service = BatchService(cfg)
@@ -669,16 +670,8 @@ def test_kill_9_mid_batch_then_restart_resumes_exactly_once(tiny_base, tmp_path)
 
 @pytest.fixture
 def pg_database():
-    name = f"swiftkv_batch_{secrets.token_hex(4)}"
-    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with fresh_postgres_database("swiftkv_batch") as url:
+        yield url
 
 
 @pytest.mark.slow

@@ -5,33 +5,17 @@ from __future__ import annotations
 
 import io
 import json
-import secrets
 import threading
 import time
+import tracemalloc
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 
 from services.batch.files import FileStore, FileTooLarge
-from services.batch.jsonl import parse_input
+from services.batch.jsonl import parse_input, read_body
 from services.batch.store import BatchStore, new_id
 
-PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-
-
-@pytest.fixture(scope="module")
-def pg_url():
-    """A fresh PostgreSQL database for this module, dropped afterwards."""
-    name = f"swiftkv_store_{secrets.token_hex(4)}"
-    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -90,7 +74,7 @@ def test_a_line_counts_once(store):
     b = store.get_batch("alice", batch_id)
     assert (b["completed"], b["failed"], b["prompt_tokens"], b["completion_tokens"]) == (1, 1, 7, 3)
     assert store.done_lines(batch_id) == {1, 2}
-    rows = list(store.results(batch_id))
+    rows = [*store.results(batch_id, ok=True), *store.results(batch_id, ok=False)]
     assert [(r["line"], r["ok"], r["request_id"]) for r in rows] == [(1, True, "r1"), (2, False, "r3")]
 
 
@@ -160,20 +144,123 @@ def req(custom_id: str, url: str = "/v1/chat/completions") -> dict:
 def test_parse_input_names_bad_lines(tmp_path):
     p = tmp_path / "in.jsonl"
     p.write_bytes(jsonl(req("a"), b"", req("b")))
-    lines, errors = parse_input(p, "/v1/chat/completions", 10)
+    lines, errors = parse_input(p, "/v1/chat/completions", 10, 4096)
     assert errors == [] and [(l.number, l.custom_id) for l in lines] == [(1, "a"), (3, "b")]
 
     p.write_bytes(jsonl(req("a"), b"{not json", req("a"), req("c", "/v1/completions"), {"custom_id": "d", "method": "POST",
                         "url": "/v1/chat/completions", "body": []}, [1]))
-    lines, errors = parse_input(p, "/v1/chat/completions", 10)
+    lines, errors = parse_input(p, "/v1/chat/completions", 10, 4096)
     assert lines == []
     assert [(e["line"], e["code"]) for e in errors] == [(2, "invalid_json_line"), (3, "duplicate_custom_id"), (4, "mismatched_url"),
                                                         (5, "missing_required_parameter"), (6, "invalid_json_line")]
     assert "line 1" in errors[1]["message"]
 
     p.write_bytes(jsonl(*(req(str(i)) for i in range(4))))
-    assert parse_input(p, "/v1/chat/completions", 3)[1][0]["code"] == "too_many_requests"
+    assert parse_input(p, "/v1/chat/completions", 3, 4096)[1][0]["code"] == "too_many_requests"
     p.write_bytes(b"\n\n")
-    assert parse_input(p, "/v1/chat/completions", 3)[1][0]["code"] == "empty_file"
+    assert parse_input(p, "/v1/chat/completions", 3, 4096)[1][0]["code"] == "empty_file"
     p.write_bytes(b"\xff\xfe\n")
-    assert parse_input(p, "/v1/chat/completions", 3)[1][0]["code"] == "invalid_json_line"
+    assert parse_input(p, "/v1/chat/completions", 3, 4096)[1][0]["code"] == "invalid_json_line"
+
+
+def test_claims_go_to_the_key_with_the_fewest_batches_being_worked(store):
+    """Alice's three batches came first; Bob's comes second to a worker anyway, once one of Alice's is being worked."""
+    alice = [add_batch(store) for _ in range(3)]
+    bob = add_batch(store, owner="bob")
+    assert [store.claim(w, 30)["id"] for w in ("A", "B", "C", "D")] == [alice[0], bob, alice[1], alice[2]]
+    add_batch(store, owner="carol")
+    dave = add_batch(store, owner="dave")
+    assert store.claim("E", 30, skip_owners=["carol"])["id"] == dave
+    assert store.claim("E", 30, skip_owners=["carol"]) is None
+
+
+def test_statuses_move_only_from_their_own(store):
+    """A cancel that lands after the last line is not overwritten: finalizing (and completed) need in_progress."""
+    batch_id = add_batch(store)
+    store.claim("A", 30)
+    assert store.request_cancel("alice", batch_id, 5)["status"] == "cancelling"
+    assert not store.update_held(batch_id, "A", ("in_progress",), status="finalizing")
+    assert not store.finish(batch_id, "A", {"status": "completed"}, [], ("finalizing",))
+    assert store.get_batch("alice", batch_id)["status"] == "cancelling"
+    assert store.finish(batch_id, "A", {"status": "cancelled"}, [], ("cancelling",))
+    assert not store.update_held(batch_id, "A", status="in_progress")  # a final status stays (and the lease is gone)
+
+
+def test_failed_attempts_fail_the_batch_unless_lines_finish_between_them(store):
+    batch_id = add_batch(store)
+    reason = [{"code": "batch_processing_failed", "message": "boom", "param": None, "line": None}]
+    store.claim("A", 30)
+    assert not store.fail_attempt(batch_id, "A", 3, reason)
+    assert store.claim("A", 30)["attempts"] == 1  # released for the retry
+    store.record(batch_id, 1, "a", 200, "r1", {})  # progress: the count starts again
+    assert not store.fail_attempt(batch_id, "A", 3, reason)
+    for _ in range(2):
+        store.claim("A", 30)
+        failed = store.fail_attempt(batch_id, "A", 3, reason)
+    b = store.get_batch("alice", batch_id)
+    assert failed and (b["status"], b["attempts"], b["errors"]["data"], b["lease_owner"]) == ("failed", 3, reason, None)
+    assert store.claim("A", 30) is None
+
+
+def test_a_database_from_before_a_column_gains_it(store):
+    """Columns added since a database was created (here `attempts`) are added when the store opens it."""
+    batch_id = add_batch(store)
+    with store.engine.begin() as conn:
+        conn.execute(text("ALTER TABLE swiftkv_batches DROP COLUMN attempts"))
+    again = BatchStore(str(store.engine.url.render_as_string(hide_password=False)))
+    try:
+        assert again.get_batch("alice", batch_id)["attempts"] == 0
+        assert again.claim("A", 30)["id"] == batch_id and not again.fail_attempt(batch_id, "A", 3, [])
+    finally:
+        again.close()
+
+
+def test_parse_input_takes_any_unparseable_line_as_the_lines_error(tmp_path):
+    """A line nested deeper than Python's recursion limit (json raises RecursionError) and a line over
+    max_line_bytes are errors naming the line, like bad JSON; the lines after them are still checked."""
+    p = tmp_path / "in.jsonl"
+    nested = b'{"custom_id": "x", "method": "POST", "url": "/v1/chat/completions", "body": {"x": ' + b"[" * 1500 + b"]" * 1500 + b"}}"
+    long = json.dumps(req("long") | {"pad": "x" * 5000}).encode()
+    p.write_bytes(jsonl(req("a"), nested, long, req("a")))
+    lines, errors = parse_input(p, "/v1/chat/completions", 10, 4096)
+    assert lines == []
+    assert [(e["line"], e["code"]) for e in errors] == [(2, "invalid_json_line"), (3, "line_too_large"), (4, "duplicate_custom_id")]
+    assert "4096 bytes (batch.max_line_bytes)" in errors[1]["message"]
+    p.write_bytes(jsonl(req("a")) + json.dumps(req("b")).encode())  # the last line without its newline
+    assert [(l.number, l.custom_id) for l in parse_input(p, "/v1/chat/completions", 10, 4096)[0]] == [(1, "a"), (2, "b")]
+
+
+def test_validation_holds_no_request_bodies(tmp_path):
+    """Checking a file keeps where each line is, not its body: bodies of many small objects take ~25 times their
+    bytes as Python objects (a 200 MB file would need ~5 GB). The peak while checking 100 lines of 4,000 empty
+    objects (~30 MB as objects) stays near one line's; each body is read back when its line runs."""
+    p = tmp_path / "in.jsonl"
+    body = {"model": "m", "messages": [], "metadata": [{}] * 4000}
+    p.write_bytes(jsonl(*({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": body} for i in range(100))))
+    tracemalloc.start()
+    try:
+        lines, errors = parse_input(p, "/v1/chat/completions", 1000, 1 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert errors == [] and len(lines) == 100
+    assert peak < 3_000_000, f"{peak} bytes at the peak"
+    assert read_body(p, lines[57]) == body
+
+
+def test_workers_dying_on_a_batch_fail_it_after_max_attempts(store):
+    """A process killed while holding a batch (out of memory on a hostile file) never releases its lease: each
+    lapsed lease counts as an attempt, so the next processes do not die on it forever."""
+    batch_id = add_batch(store)
+    for worker in ("A", "B", "C"):
+        assert store.claim(worker, 0.05, max_attempts=3)["id"] == batch_id
+        time.sleep(0.1)  # killed: the lease lapses, never released
+    assert store.claim("D", 30, max_attempts=3) is None  # the third lapse fails it instead of handing it on
+    b = store.get_batch("alice", batch_id)
+    assert b["status"] == "failed" and b["lease_owner"] is None
+    assert b["errors"]["data"][0]["code"] == "batch_processing_failed"
+    released = add_batch(store)
+    for _ in range(4):  # a lease handed back (a clean stop) is no failure
+        assert store.claim("A", 30, max_attempts=3)["id"] == released
+        store.release(released, "A")
+    assert store.get_batch("alice", released)["status"] == "in_progress"

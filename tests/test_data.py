@@ -27,6 +27,9 @@ def test_records_from_txt_jsonl_and_folder(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{oops\n')
     with pytest.raises(D.DataError, match="bad.jsonl:2"):
         D.load_records(tmp_path / "bad.jsonl")
+    (tmp_path / "deep.jsonl").write_text('{"text": "ok"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(D.DataError, match="deep.jsonl:2: nested too deeply"):
+        D.load_records(tmp_path / "deep.jsonl")
     (tmp_path / "wrong.jsonl").write_text('{"prompt": "x"}\n')
     with pytest.raises(D.DataError, match="'text' or 'messages'"):
         D.load_records(tmp_path / "wrong.jsonl")

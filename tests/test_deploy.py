@@ -92,6 +92,8 @@ def test_install_dry_run_client(values):
     assert release["status"] == "pending-install"
     assert "kubectl -n llm port-forward svc/swiftkv-gateway 8000:80" in release["notes"]
     assert "kubectl -n llm port-forward svc/swiftkv-trainer 8001:8001" in release["notes"]
+    # ReadWriteOnce models (the default) tie the pods that mount them to one node: said at install
+    assert ("NOTE: models.persistence.accessModes [\"ReadWriteOnce\"]" in release["notes"]) == (values is None or values.stem == "cpu-small")
     assert [d["kind"] for d in yaml.safe_load_all(release["manifest"]) if d] == [o["kind"] for o in render(values)]
     lint = helm.lint(str(CHART), user_values, strict=True)
     assert not lint["errors"], lint
@@ -100,7 +102,7 @@ def test_install_dry_run_client(values):
 def test_install_dry_run_client_refuses_wrong_values():
     helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed: run `make setup`")
     with helm.Config(namespace="llm", storage_driver="memory") as cfg, pytest.raises(helm.HelmError, match="/gateway/replicas"):
-        cfg.install(str(CHART), "swiftkv", {"batchStore": {"type": "sqlite"}}, namespace="llm", dry_run="client")
+        cfg.install(str(CHART), "swiftkv", {"batchStore": {"type": "sqlite"}, "gateway": {"replicas": 2}}, namespace="llm", dry_run="client")
 
 
 @pytest.mark.parametrize("values", VALUE_SETS, ids=ids)
@@ -160,7 +162,9 @@ def test_modes_render_their_engines():
     assert {"name": "SWIFTKV_ENGINE", "value": "ray"} in gateway["env"]
     assert (gateway["startupProbe"]["httpGet"]["path"], gateway["livenessProbe"]["httpGet"]["path"],
             gateway["readinessProbe"]["httpGet"]["path"]) == ("/health", "/health", "/ready")
-    assert {"HorizontalPodAutoscaler", "PodDisruptionBudget"} <= {o["kind"] for o in objs}
+    assert not {"HorizontalPodAutoscaler", "PodDisruptionBudget"} & {o["kind"] for o in objs}  # one replica by default
+    scaled = render(ROOT / "deploy/helm/presets/gpu-kuberay.yaml")
+    assert {"HorizontalPodAutoscaler", "PodDisruptionBudget"} <= {o["kind"] for o in scaled}
 
     plain = render(ROOT / "deploy/helm/presets/plain-deployments.yaml")
     assert not find(plain, "RayService")
@@ -193,8 +197,9 @@ def test_every_pod_runs_as_non_root():
 
 
 @pytest.mark.parametrize("override, message", [
-    (["--set", "batchStore.type=sqlite"], "gateway.replicas"),
-    (["--set", "batchStore.type=sqlite", "--set", "gateway.replicas=1"], "gateway.autoscaling.enabled"),
+    (["--set", "batchStore.type=sqlite", "--set", "gateway.replicas=2"], "gateway.replicas"),
+    (["--set", "batchStore.type=sqlite", "--set", "gateway.autoscaling.enabled=true"], "gateway.autoscaling.enabled"),
+    (["--set", "networkPolicy.prometheus.podLabels=null"], "podLabels"),
     (["--set", "engines.mode=ray"], "engines.mode must be one of"),
     (["--set", "gateway.replcas=3"], "replcas"),
     (["--set", "platform.pools.extra.model=x"], "platform.pools"),
@@ -213,6 +218,74 @@ def test_sqlite_with_one_replica_is_accepted():
     objs = render(None, "--set", "batchStore.type=sqlite", "--set", "gateway.replicas=1", "--set", "gateway.autoscaling.enabled=false")
     env = find(objs, "Deployment", "gateway")[0]["spec"]["template"]["spec"]["containers"][0]["env"]
     assert not [e for e in env if e["name"] == "SWIFTKV_DATABASE_URL"]
+
+
+def test_probes_restart_a_pod_only_for_its_own_failure():
+    """The gateway's liveness is /health (the process answers), its readiness /ready (some pool serves); the Ray
+    workers' readiness asks their raylet, not a Serve proxy on :8000 that proxy_location Disabled never starts
+    (KubeRay's default), and their liveness is left to KubeRay's raylet check."""
+    for values in VALUE_SETS:
+        objs = render(values)
+        gateway = find(objs, "Deployment", "gateway")[0]["spec"]["template"]["spec"]["containers"][0]
+        assert (gateway["startupProbe"]["httpGet"]["path"], gateway["livenessProbe"]["httpGet"]["path"],
+                gateway["readinessProbe"]["httpGet"]["path"]) == ("/health", "/health", "/ready"), ids(values)
+        for ray in find(objs, "RayService"):
+            for group in ray["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+                worker = group["template"]["spec"]["containers"][0]
+                assert worker["readinessProbe"]["httpGet"] == {"path": "/api/healthz", "port": 52365}
+                assert "livenessProbe" not in worker
+
+
+def test_volumes_default_to_read_write_once_and_refuse_what_cannot_work():
+    """The default storage classes of EKS, GKE and AKS provision ReadWriteOnce only: the defaults ask for nothing
+    else, one gateway replica (Recreate: the volume cannot follow a new pod to another node), and several replicas
+    without a ReadWriteMany file volume are refused with what to set."""
+    objs = render()
+    assert {tuple(c["spec"]["accessModes"]) for c in find(objs, "PersistentVolumeClaim")} == {("ReadWriteOnce",)}
+    spec = find(objs, "Deployment", "gateway")[0]["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    for override in (["--set", "gateway.replicas=2"], ["--set", "gateway.autoscaling.enabled=true"],
+                     ["--set", "gateway.replicas=3", "--set", "batchStore.persistence.enabled=false"]):
+        proc = run(tool("helm"), "template", "swiftkv", CHART, *override, check=False)
+        assert proc.returncode != 0 and "batchStore.persistence" in proc.stderr and "ReadWriteMany" in proc.stderr, proc.stderr
+        assert "gateway.replicas=1" in proc.stderr  # the other way out
+    shared = render(None, "--set", "gateway.replicas=3", "--set", "batchStore.persistence.accessModes={ReadWriteMany}")
+    spec = find(shared, "Deployment", "gateway")[0]["spec"]
+    assert spec["replicas"] == 3 and "strategy" not in spec and find(shared, "PodDisruptionBudget")
+    for claim in find(render(ROOT / "deploy/helm/presets/gpu-kuberay.yaml"), "PersistentVolumeClaim"):
+        if "trainer" not in claim["metadata"]["name"]:  # models and files: pods on several nodes
+            assert claim["spec"]["accessModes"] == ["ReadWriteMany"], claim["metadata"]["name"]
+
+
+def _peers(policy: dict) -> list[dict]:
+    return [peer for rule in policy["spec"]["ingress"] for peer in rule.get("from", [])]
+
+
+def test_network_policy_peers_name_their_namespace():
+    """A peer matched by pod labels is matched in one namespace too: Prometheus in `monitoring`, the KubeRay operator
+    in `ray-system`, the release's own pods in its namespace; a pod elsewhere that copies a label gets nothing. A
+    user's peer with `namespaceSelector: {}` is refused; restricting the gateway keeps Prometheus on /metrics."""
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                  "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    for values in VALUE_SETS:
+        for policy in find(render(values), "NetworkPolicy"):
+            for peer in _peers(policy):
+                assert "podSelector" in peer and peer.get("namespaceSelector", {"ours": 1}), (ids(values), policy["metadata"]["name"], peer)
+    objs = render()
+    engines = _peers(find(objs, "NetworkPolicy", "engines")[0])
+    assert prometheus in engines
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ray-system"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}} in engines
+    assert prometheus in _peers(find(objs, "NetworkPolicy", "trainer")[0])
+    here = render(None, "--set", "networkPolicy.prometheus.namespace=")  # "": the release's namespace
+    assert {"kubernetes.io/metadata.name": "llm"} in [p.get("namespaceSelector", {}).get("matchLabels") for p in _peers(find(here, "NetworkPolicy", "engines")[0])]
+    ingress = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}, "podSelector": {}}
+    gateway = _peers(find(render(None, "--set-json", f"networkPolicy.gatewayFrom=[{json.dumps(ingress)}]"), "NetworkPolicy", "gateway")[0])
+    assert ingress in gateway and prometheus in gateway
+    for name in ("gatewayFrom", "trainerFrom"):
+        anywhere = [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"role": "client"}}}]
+        proc = run(tool("helm"), "template", "swiftkv", CHART, "--set-json", f"networkPolicy.{name}={json.dumps(anywhere)}", check=False)
+        assert proc.returncode != 0 and f"networkPolicy.{name}[0]: namespaceSelector {{}}" in proc.stderr, proc.stderr
 
 
 def test_trainer_is_deployed_beside_the_gateway():
@@ -298,7 +371,7 @@ def rules_file(tmp_path: Path, *extra: str) -> Path:
 
 def test_promtool_check_rules(tmp_path):
     out = run(tool("promtool"), "check", "rules", rules_file(tmp_path, "--set", "alerts.batchBacklog.enabled=true")).stdout
-    assert "SUCCESS: 5 rules found" in out
+    assert "SUCCESS: 8 rules found" in out  # 5 alerts and SwiftKVMetricsAbsent for gateway, Ray workers, trainer
 
 
 def test_promtool_fires_each_alert(tmp_path):
@@ -380,6 +453,45 @@ def test_promtool_fires_the_training_alert(tmp_path):
     test_file = tmp_path / "training_alert_test.yaml"
     test_file.write_text(yaml.safe_dump(tests, sort_keys=False))
     assert "SUCCESS" in run(tool("promtool"), "test", "rules", test_file).stdout
+
+
+def test_promtool_fires_the_metrics_absent_alerts(tmp_path):
+    """SwiftKVMetricsAbsent fires for each scraped Service none of whose targets answers (the gateway refusing the
+    scrape: up 0; the trainer gone: no series at all), once that lasted metricsAbsentMinutes, and stays quiet while
+    a Ray worker is scraped; the Ray head alone does not count for the engines."""
+    up = 'up{namespace="llm",service="%s",pod="%s"%s}'
+    head = {"series": up % ("swiftkv-ray-metrics", "head", ',ray_io_node_type="head"'), "values": "1x30"}
+
+    def absent(what: str, service: str) -> dict:
+        return {"exp_labels": {"severity": "critical", "namespace": "llm", "service": service},
+                "exp_annotations": {
+                    "summary": f"Prometheus scrapes no metrics from {what} (Service {service})",
+                    "description": f"No target of Service {service} was scraped successfully for 10 minutes (its pods are down, the "
+                                   "ServiceMonitor does not select it, the NetworkPolicy refuses Prometheus, or /metrics fails): "
+                                   "the alerts on its series cannot fire meanwhile."}}
+
+    gateway, trainer = absent("the gateway", "swiftkv-gateway"), absent("the trainer", "swiftkv-trainer")
+    tests = {"rule_files": [str(rules_file(tmp_path))], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [
+            {"series": up % ("swiftkv-gateway", "gw-1", ""), "values": "0x30"},  # /metrics answers 401
+            head,
+            {"series": up % ("swiftkv-ray-metrics", "worker-1", ',ray_io_node_type="worker"'), "values": "1x30"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "5m", "alertname": "SwiftKVMetricsAbsent", "exp_alerts": []},
+            {"eval_time": "15m", "alertname": "SwiftKVMetricsAbsent", "exp_alerts": [gateway, trainer]},
+        ]}, {
+        "interval": "1m",
+        "input_series": [head],
+        "alert_rule_test": [{"eval_time": "15m", "alertname": "SwiftKVMetricsAbsent", "exp_alerts": [
+            gateway, absent("the engines' Ray workers", "swiftkv-ray-metrics"), trainer]}],
+    }]}
+    test_file = tmp_path / "absent_test.yaml"
+    test_file.write_text(yaml.safe_dump(tests, sort_keys=False))
+    assert "SUCCESS" in run(tool("promtool"), "test", "rules", test_file).stdout
+    monitor = find(render(), "ServiceMonitor")[0]["spec"]
+    assert monitor["podTargetLabels"] == ["ray.io/node-type"]  # what ray_io_node_type comes from
 
 
 # --- dashboards ---------------------------------------------------------------------------------------

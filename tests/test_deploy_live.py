@@ -31,7 +31,7 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base
     import openai
 
     from test_gateway import engine_args, free_port, launch, stop, wait_until
-    from test_training import QUICK, Trainer, create, records, wait_status
+    from test_training import MODEL, QUICK, Trainer, create, records, wait_status
 
     sys.path.insert(0, str(ROOT / "deploy" / "grafana"))
     try:
@@ -47,7 +47,7 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base
                         "decode": {"model": str(tiny_base), "engine_args": engine_args()}},
               "batch": {"poll_seconds": 0.2}}
     proc, base = launch(work, config, "--engine", "inprocess", env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": ""})
-    trainer = Trainer(tmp_path, tmp_path / "trainer", tmp_path / "models")
+    trainer = Trainer(tmp_path, tmp_path / "trainer", tmp_path / "models", tiny_base)
     prom_port = free_port()
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -58,7 +58,7 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base
         # the trainer's job runs while the engines load
         trainer.start()
         trainer_client = trainer.client()
-        job = create(trainer_client, tiny_base, trainer_client.files.create(file=("train.jsonl", records()), purpose="fine-tune").id)
+        job = create(trainer_client, MODEL, trainer_client.files.create(file=("train.jsonl", records()), purpose="fine-tune").id)
         wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 420, "ready")
         with open(tmp_path / "prometheus.log", "w") as log:
             prom = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",

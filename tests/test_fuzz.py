@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from test_gateway import KEY, free_port, launch, stop, wait_until
-from test_training import Trainer
+from test_training import MODEL, Trainer
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis import GenerationMode  # noqa: E402
@@ -48,9 +48,9 @@ def gateway(tiny_base, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trainer(tmp_path_factory):
+def trainer(tiny_base, tmp_path_factory):
     work = tmp_path_factory.mktemp("trainer-fuzz")
-    t = Trainer(work, work / "data", work / "models").start()
+    t = Trainer(work, work / "data", work / "models", tiny_base, key=KEY).start()
     try:
         yield t.base
     finally:
@@ -151,11 +151,11 @@ def test_gateway_schema_fuzzing(gateway):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3  # the engine is still serving
 
 
-def test_trainer_schema_fuzzing(trainer, tiny_base):
+def test_trainer_schema_fuzzing(trainer):
     t0 = time.time()
     doc = httpx.get(f"{trainer}/openapi.json").json()
     assert "/v1/fine_tuning/jobs" in doc["paths"] and "/v1/files" in doc["paths"]
-    counts, failures = fuzz(trainer, {}, [str(tiny_base)])
+    counts, failures = fuzz(trainer, {"Authorization": f"Bearer {KEY}"}, [MODEL])
     report("trainer", counts, failures, time.time() - t0)
     assert len(counts) == sum(len(ops) for ops in doc["paths"].values())
     assert not failures

@@ -93,27 +93,35 @@ def test_batch_lines_leave_a_live_busy_pool_only_for_equal_or_better_quality():
 
 def test_rate_limiter_counts_tokens_and_says_when_to_retry():
     limiter = RateLimiter(None, 600, None)  # 600 prompt tokens per minute = 10 per second
-    limiter.acquire("k", 500, 10)
-    with pytest.raises(APIError) as e:
-        limiter.acquire("k", 200, 10)
-    assert e.value.status == 429
-    assert e.value.code == "rate_limit_exceeded"
-    assert "prompt tokens" in e.value.message
-    assert int(e.value.headers["Retry-After"]) == 10  # 100 tokens short at 10 tokens/s
-    limiter.acquire("other", 500, 10)  # limits are per key
+
+    async def run():
+        await limiter.acquire("k", 500, 10)
+        with pytest.raises(APIError) as e:
+            await limiter.acquire("k", 200, 10)
+        assert e.value.status == 429
+        assert e.value.code == "rate_limit_exceeded"
+        assert "prompt tokens" in e.value.message
+        assert int(e.value.headers["Retry-After"]) == 10  # 100 tokens short at 10 tokens/s
+        await limiter.acquire("other", 500, 10)  # limits are per key
+
+    asyncio.run(run())
 
 
 def test_output_tokens_are_reserved_then_settled():
     limiter = RateLimiter(None, None, 100)
-    limiter.acquire("k", 1, 80)
-    with pytest.raises(APIError):
-        limiter.acquire("k", 1, 80)
-    limiter.settle("k", reserved_output=80, actual_output=5)  # 75 given back
-    limiter.acquire("k", 1, 80)
-    limiter.settle("k", reserved_output=80, actual_output=230)  # 150 beyond the reservation are charged too
-    with pytest.raises(APIError) as e:  # the bucket is below zero: even one token waits for the refill
-        limiter.acquire("k", 1, 1)
-    assert int(e.value.headers["Retry-After"]) >= 80  # 136 tokens short at 100 per minute: 82 s
+
+    async def run():
+        await limiter.acquire("k", 1, 80)
+        with pytest.raises(APIError):
+            await limiter.acquire("k", 1, 80)
+        await limiter.settle("k", reserved=80, actual=5)  # 75 given back
+        await limiter.acquire("k", 1, 80)
+        await limiter.settle("k", reserved=80, actual=230)  # 150 beyond the reservation are charged too
+        with pytest.raises(APIError) as e:  # the bucket is below zero: even one token waits for the refill
+            await limiter.acquire("k", 1, 1)
+        assert int(e.value.headers["Retry-After"]) >= 80  # 136 tokens short at 100 per minute: 82 s
+
+    asyncio.run(run())
 
 
 def test_per_key_limits_and_hashed_keys(tmp_path):
@@ -129,13 +137,19 @@ def test_per_key_limits_and_hashed_keys(tmp_path):
             store.identify(bad)
         assert e.value.status == 401
     limiter = RateLimiter(None, None, None, keys)
-    limiter.acquire(digest("beta"), 1, 1)
-    with pytest.raises(APIError):
-        limiter.acquire(digest("beta"), 1, 1)
-    limiter.acquire(digest("alpha"), 1, 1)
-    limiter.acquire(digest("alpha"), 1, 1)
+
+    async def run():
+        await limiter.acquire(digest("beta"), 1, 1)
+        with pytest.raises(APIError):
+            await limiter.acquire(digest("beta"), 1, 1)
+        await limiter.acquire(digest("alpha"), 1, 1)
+        await limiter.acquire(digest("alpha"), 1, 1)
+
+    asyncio.run(run())
     with pytest.raises(ValueError, match="bad key option"):
         load_keys("k rpm=1", None)
+    with pytest.raises(ValueError, match="bad key option"):  # a digit that int() refuses
+        load_keys("k requests_per_minute=\u00b2", None)
 
 
 def test_default_config_serves_smollm2_on_localhost():

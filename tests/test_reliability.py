@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from test_gateway import KEY, PUBLIC, engine_args, free_port, launch, metric, scrape, stop, wait_until
+from test_gateway import KEY, PUBLIC, engine_args, every_pool_ready, free_port, launch, metric, scrape, stop, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +130,11 @@ def test_kill_9_of_an_engine_under_load(fault_server, capsys):
     failed_before = [r for r in before if r[1] != 200 or (r[0] == "stream" and r[4] is not None)]
 
     deadline = time.time() + 30
-    while httpx.get(f"{base}/ready").status_code == 200:
+    while every_pool_ready(base):
         assert time.time() < deadline, "the dead engine's pool stayed in routing"
         time.sleep(0.2)
     deadline = time.time() + 300
-    while httpx.get(f"{base}/ready").status_code != 200:
+    while not every_pool_ready(base):
         assert time.time() < deadline, "the killed engine was not restarted"
         time.sleep(0.5)
     ready_after = time.time() - killed_at

@@ -225,8 +225,8 @@ def test_replica_killed_under_load_is_replaced_and_requests_go_elsewhere(tiny_ba
                 assert probe["status"] == 503 and probe["retry_after"], probe  # never a 500; when to come back
                 down_seen = True
                 time.sleep(1)
-        while httpx.get(f"{base}/ready", timeout=5).status_code != 200:
-            assert time.time() < deadline, "/ready did not come back"
+        while not all(httpx.get(f"{base}/ready", timeout=5).json()["pools"].values()):
+            assert time.time() < deadline, "/ready did not list every pool ready again"
             time.sleep(0.5)
         ready_at = time.time()
         stop_at[0] = time.time() + 5  # a few more requests on the recovered platform

@@ -22,16 +22,25 @@ from test_batch import BATCH, Platform, engine_args, free_port
 
 TRAINER_FLAGS = ["--checkpoint-every", "2", "--events-every", "1", "--eval-max-tokens", "128", "--eval-prompts", "1", "--threads", "1"]
 QUICK = {"n_steps": 4, "batch_size": 2, "seq_len": 32}
+MODEL = "tiny"  # the tiny fixture model's name in the trainer's models directory
 
 
 class Trainer:
-    """One `swiftkv trainer serve` process, in its own process group (a kill -9 takes its job process too)."""
+    """One `swiftkv trainer serve` process, in its own process group (a kill -9 takes its job process too). `base`
+    is offered to jobs as the model MODEL (a link in its models directory); with `key`, the service wants that key."""
 
-    def __init__(self, work: Path, data_dir: Path, models_dir: Path):
-        self.work, self.port, self.starts = work, free_port(), 0
+    def __init__(self, work: Path, data_dir: Path, models_dir: Path, base: Path | None = None, key: str | None = None):
+        self.work, self.port, self.starts, self.key = work, free_port(), 0, key
         self.base = f"http://127.0.0.1:{self.port}"
         self.args = [str(Path(sys.executable).parent / "swiftkv"), "trainer", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                      "--data-dir", str(data_dir), "--models-dir", str(models_dir), *TRAINER_FLAGS]
+        if base is not None:
+            models_dir.mkdir(parents=True, exist_ok=True)
+            (models_dir / MODEL).symlink_to(base, target_is_directory=True)
+        if key is not None:
+            (work / "trainer-keys").write_text(f"{key}\n")
+            self.args += ["--api-keys-file", str(work / "trainer-keys")]
+        self.env = {**os.environ, "SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": ""}  # only the keys given here
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -41,7 +50,7 @@ class Trainer:
     def start(self) -> "Trainer":
         self.starts += 1
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
         deadline = time.time() + 120
         while True:
             assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
@@ -65,7 +74,7 @@ class Trainer:
         self.proc.wait()
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused", max_retries=0, timeout=60)
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=self.key or "unused", max_retries=0, timeout=60)
 
 
 def records(n: int = 24) -> bytes:
@@ -87,8 +96,8 @@ def work(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trainer(work):
-    t = Trainer(work, work / "data", work / "models").start()
+def trainer(work, tiny_base):
+    t = Trainer(work, work / "data", work / "models", tiny_base).start()
     try:
         yield t
     finally:
@@ -143,8 +152,8 @@ def wait_checkpoint(client, job_id: str, timeout: float = 180) -> int:
 
 # ---- the happy path and serving the result -------------------------------------------------------------
 @pytest.fixture(scope="module")
-def finished_job(client, tiny_base, training_file):
-    job = create(client, tiny_base, training_file, num_key_value_layers=4, key_value_group_size=2)
+def finished_job(client, training_file):
+    job = create(client, MODEL, training_file, num_key_value_layers=4, key_value_group_size=2)
     assert job.status in ("validating_files", "queued", "running") and job.object == "fine_tuning.job"
     assert job.method.type == "distillation"
     done = wait_status(client, job.id, ("succeeded",))
@@ -162,6 +171,10 @@ def test_job_succeeds_with_events_checkpoints_and_model(client, finished_job, wo
     assert steps == [1, 2, 3, 4]
     assert any(m.startswith("Evaluation against the teacher: top1_agreement=") for m in messages)
     assert messages[-1] == "The job has successfully completed"
+    # OpenAI's event types only; a checkpoint is a message naming it
+    assert {e.type for e in events(client, job.id)} == {"message", "metrics"}
+    saved = [e.data for e in events(client, job.id) if e.message.startswith("Checkpoint saved")]
+    assert saved == [{"step": s, "fine_tuned_model_checkpoint": f"{job.id}:step-{s}"} for s in (2, 4)]
     cps = client.fine_tuning.jobs.checkpoints.list(job.id).data
     assert sorted(c.step_number for c in cps) == [2, 4] and all(c.metrics.train_loss is not None for c in cps)
     # The result file: evaluation figures and the run summary.
@@ -211,6 +224,8 @@ def test_refusals_name_the_field_and_leave_nothing(client, tiny_base, training_f
     P = "method.distillation.hyperparameters"
     cases = [
         (dict(model="no-such-model"), "model"),
+        (dict(model=str(tiny_base)), "model"),  # a folder outside the models directory
+        (dict(model="some-org/some-model"), "model"),  # a hub id no operator allowed
         (dict(num_key_value_layers=8), f"{P}.num_key_value_layers"),
         (dict(num_key_value_layers=0), f"{P}.num_key_value_layers"),
         (dict(num_key_value_layers=5, key_value_group_size=2), f"{P}.key_value_group_size"),
@@ -224,13 +239,13 @@ def test_refusals_name_the_field_and_leave_nothing(client, tiny_base, training_f
         (dict(learning_rate=-1.0), f"{P}.learning_rate"),
     ]
     for case, param in cases:
-        model = case.pop("model", str(tiny_base))
+        model = case.pop("model", MODEL)
         file_id = case.pop("training_file", training_file)
         with pytest.raises(openai.BadRequestError) as e:
             create(client, model, file_id, **case)
         assert e.value.body["param"] == param, (case, e.value.body)
     with pytest.raises(openai.BadRequestError) as e:
-        client.fine_tuning.jobs.create(model=str(tiny_base), training_file=training_file, method={"type": "supervised"})
+        client.fine_tuning.jobs.create(model=MODEL, training_file=training_file, method={"type": "supervised"})
     assert e.value.body["param"] == "method.type"
     assert client.fine_tuning.jobs.list(limit=100).data == before
     runs_after = set((work / "data" / "runs").iterdir()) if (work / "data" / "runs").exists() else set()
@@ -251,8 +266,8 @@ def test_list_routes_refuse_unknown_query_parameters(trainer):
 
 
 # ---- control: cancel, pause / resume --------------------------------------------------------------------
-def test_cancel_stops_within_seconds(client, tiny_base, training_file, finished_job, work):
-    job = create(client, tiny_base, training_file, n_steps=100000)
+def test_cancel_stops_within_seconds(client, training_file, finished_job, work):
+    job = create(client, MODEL, training_file, n_steps=100000)
     wait_checkpoint(client, job.id)
     t0 = time.time()
     assert client.fine_tuning.jobs.cancel(job.id).status == "cancelled"
@@ -269,8 +284,8 @@ def test_cancel_stops_within_seconds(client, tiny_base, training_file, finished_
     assert scrape(client)['swiftkv_training_jobs_finished_total{status="cancelled"}'] == 1, "counted once"
 
 
-def test_pause_stops_at_a_checkpoint_and_resume_continues(client, tiny_base, training_file, finished_job):
-    job = create(client, tiny_base, training_file, n_steps=100000)
+def test_pause_stops_at_a_checkpoint_and_resume_continues(client, training_file, finished_job):
+    job = create(client, MODEL, training_file, n_steps=100000)
     wait_checkpoint(client, job.id)
     client.fine_tuning.jobs.pause(job.id)
     wait_status(client, job.id, ("paused",), timeout=60)
@@ -289,9 +304,9 @@ def test_pause_stops_at_a_checkpoint_and_resume_continues(client, tiny_base, tra
 
 
 # ---- kill -9 and restart ----------------------------------------------------------------------------
-def test_kill9_mid_job_resumes_and_finished_jobs_stay_listed(client, trainer, tiny_base, training_file, finished_job, work):
+def test_kill9_mid_job_resumes_and_finished_jobs_stay_listed(client, trainer, training_file, finished_job, work):
     steps = 600
-    job = create(client, tiny_base, training_file, n_steps=steps)
+    job = create(client, MODEL, training_file, n_steps=steps)
     step = wait_checkpoint(client, job.id)
     run_dir = str(work / "data" / "runs" / job.id)
     job_pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and run_dir.encode() in

@@ -1,15 +1,58 @@
-"""File contents in a directory (a PVC in a cluster): one file per id, written atomically."""
+"""Files: their contents in a directory (a PVC in a cluster; one file per id, written atomically), and what the
+store's file rows do not say: when each file expires and how many bytes each key holds."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import BinaryIO
+
+from sqlalchemy import BigInteger, Column, String, Table, case, delete, func, insert, null, or_, select
+from sqlalchemy.engine import Connection
+
+from .store import BatchStore, files, metadata
 
 
 class FileTooLarge(Exception):
     pass
+
+
+class QuotaExceeded(Exception):
+    def __init__(self, used: int, quota: int):
+        super().__init__(f"{used} of {quota} bytes used")
+        self.used, self.quota = used, quota
+
+
+class Incoming:
+    """A file being written: its bytes go to a hidden part file that becomes the file at `commit` (fsync, then an
+    atomic rename); leaving the `with` block without a commit removes it, so nothing partial is ever kept."""
+
+    def __init__(self, part: Path, target: Path):
+        self.part, self.target, self.size = part, target, 0
+        self.out = open(part, "wb")
+
+    def write(self, data: bytes) -> None:
+        self.out.write(data)
+        self.size += len(data)
+
+    def commit(self) -> int:
+        self.out.flush()
+        os.fsync(self.out.fileno())
+        self.out.close()
+        os.replace(self.part, self.target)
+        return self.size
+
+    def discard(self) -> None:
+        self.out.close()
+        self.part.unlink(missing_ok=True)  # already renamed when committed
+
+    def __enter__(self) -> "Incoming":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.discard()
 
 
 class FileStore:
@@ -22,35 +65,24 @@ class FileStore:
             raise ValueError(f"bad file id {file_id!r}")
         return self.root / file_id
 
+    def receive(self, file_id: str) -> Incoming:
+        return Incoming(self.root / f".{file_id}.part", self.path(file_id))
+
     def save(self, file_id: str, source: BinaryIO, max_bytes: int) -> int:
         """Copy a stream in; raises FileTooLarge (and keeps nothing) past max_bytes. Returns the size."""
-        tmp = self.root / f".{file_id}.part"
-        size = 0
-        try:
-            with open(tmp, "wb") as out:
-                while chunk := source.read(1 << 20):
-                    size += len(chunk)
-                    if size > max_bytes:
-                        raise FileTooLarge(f"the file exceeds the limit of {max_bytes} bytes")
-                    out.write(chunk)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, self.path(file_id))
-        finally:
-            tmp.unlink(missing_ok=True)
-        return size
+        with self.receive(file_id) as part:
+            while chunk := source.read(1 << 20):
+                if part.size + len(chunk) > max_bytes:
+                    raise FileTooLarge(f"the file exceeds the limit of {max_bytes} bytes")
+                part.write(chunk)
+            return part.commit()
 
     def write_lines(self, file_id: str, lines: list[bytes]) -> int:
         """Write a whole file (a batch's output); replacing an earlier version of it is safe."""
-        tmp = self.root / f".{file_id}.part"
-        with open(tmp, "wb") as out:
+        with self.receive(file_id) as part:
             for line in lines:
-                out.write(line)
-            out.flush()
-            os.fsync(out.fileno())
-            size = out.tell()
-        os.replace(tmp, self.path(file_id))
-        return size
+                part.write(line)
+            return part.commit()
 
     def delete(self, file_id: str) -> None:
         self.path(file_id).unlink(missing_ok=True)
@@ -58,3 +90,97 @@ class FileStore:
     def copy_to(self, file_id: str, target: BinaryIO) -> None:
         with open(self.path(file_id), "rb") as f:
             shutil.copyfileobj(f, target)
+
+    def remove_stale_parts(self, older_than: float) -> None:
+        """Part files nobody has written to for `older_than` seconds: left by a process killed mid-write."""
+        for part in self.root.glob(".*.part"):
+            try:
+                if part.stat().st_mtime < time.time() - older_than:
+                    part.unlink(missing_ok=True)
+            except FileNotFoundError:  # committed or removed meanwhile
+                pass
+
+
+# Expiry set at upload (`expires_after`), one row per such file. A table of its own, so a database created before
+# files expired needs no migration: on the store's metadata, so the store creates it with its own tables.
+expiry = Table(
+    "swiftkv_file_expiry", metadata,
+    Column("file_id", String(64), primary_key=True),
+    Column("expires_at", BigInteger, nullable=False, index=True),
+)
+STALE_PART_SECONDS = 3600  # a part file untouched this long belongs to an upload or a write that died
+
+
+class FileRecords:
+    """When files expire and what each key holds, over the store's file rows. A file expires at its own
+    `expires_at`, else, for the purposes in `default_seconds` (batch input and output files), that long after its
+    creation (read at each use, so a changed setting applies to the files already there), else never."""
+
+    def __init__(self, store: BatchStore, contents: FileStore, default_seconds: dict[str, int]):
+        self.store, self.contents, self.default_seconds = store, contents, default_seconds
+        self.joined = files.outerjoin(expiry, expiry.c.file_id == files.c.id)
+        default = case(*((files.c.purpose == p, files.c.created_at + s) for p, s in default_seconds.items()),
+                       else_=null()) if default_seconds else null()
+        self.expires_at = func.coalesce(expiry.c.expires_at, default)
+        self.sums = select(func.coalesce(func.sum(files.c.bytes), 0)).select_from(self.joined)
+
+    def default_expiry(self, purpose: str, created_at: int) -> int | None:
+        seconds = self.default_seconds.get(purpose)
+        return created_at + seconds if seconds else None
+
+    def live(self):
+        return or_(self.expires_at.is_(None), self.expires_at > int(time.time()))
+
+    def get(self, owner: str, file_id: str) -> dict | None:
+        """The file with its `expires_at`, while it has not expired."""
+        with self.store.engine.connect() as conn:
+            row = conn.execute(select(files, self.expires_at.label("expires_at")).select_from(self.joined)
+                               .where(files.c.id == file_id, files.c.owner == owner, self.live())).mappings().first()
+        return dict(row) if row else None
+
+    def with_expiry(self, rows: list[dict]) -> list[dict]:
+        """Store rows (a listed page) with their `expires_at`."""
+        if not rows:
+            return rows
+        with self.store.engine.connect() as conn:
+            when = dict(conn.execute(select(files.c.id, self.expires_at).select_from(self.joined)
+                                     .where(files.c.id.in_([r["id"] for r in rows]))).all())
+        return [r | {"expires_at": when.get(r["id"])} for r in rows]
+
+    def used(self, owner: str, conn: Connection | None = None) -> int:
+        """Bytes of the key's files that have not expired: uploads and batch output alike."""
+        if conn is None:
+            with self.store.engine.connect() as conn:
+                return self.used(owner, conn)
+        return int(conn.execute(self.sums.where(files.c.owner == owner, self.live())).scalar_one())
+
+    def add(self, record: dict, expires_at: int | None, quota: int | None) -> None:
+        """The file's row (and its expiry) in one transaction, refused with QuotaExceeded (nothing kept) when the
+        key's files would then hold more than `quota` bytes."""
+        with self.store.engine.begin() as conn:
+            conn.execute(insert(files).values(**record))
+            if expires_at is not None:
+                conn.execute(insert(expiry).values(file_id=record["id"], expires_at=expires_at))
+            if quota is not None and (used := self.used(record["owner"], conn)) > quota:
+                raise QuotaExceeded(used - record["bytes"], quota)
+
+    def remove(self, owner: str, file_id: str) -> None:
+        """The row, its expiry and the contents (the contents last: a file is never listed without them)."""
+        if self.store.delete_file(owner, file_id):
+            self.contents.delete(file_id)
+        with self.store.engine.begin() as conn:
+            conn.execute(delete(expiry).where(expiry.c.file_id == file_id))
+
+    def sweep(self, limit: int = 1000) -> int:
+        """Remove up to `limit` expired files (an input of a batch still running waits for the batch to end) and
+        abandoned part files; returns how many files went."""
+        with self.store.engine.connect() as conn:
+            due = conn.execute(select(files.c.id, files.c.owner).select_from(self.joined)
+                               .where(self.expires_at <= int(time.time())).order_by(self.expires_at).limit(limit)).all()
+        removed = 0
+        for file_id, owner in due:
+            if not self.store.file_in_use(file_id):
+                self.remove(owner, file_id)
+                removed += 1
+        self.contents.remove_stale_parts(STALE_PART_SECONDS)
+        return removed

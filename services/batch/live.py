@@ -92,6 +92,6 @@ class SharedLiveTraffic:
         async for message in pubsub.listen():
             if message["type"] != "message":
                 continue
-            origin, _, name = message["data"].decode().partition(" ")
+            origin, _, name = message["data"].decode(errors="replace").partition(" ")  # a stray message must not end the loop
             if origin != self.origin and name in self.pools:
                 self.pools[name].live_elsewhere()

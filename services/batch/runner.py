@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
+import itertools
 import json
 import logging
 import os
@@ -30,14 +32,17 @@ import socket
 import time
 from collections import defaultdict, deque
 from contextlib import asynccontextmanager, suppress
-from typing import AsyncIterator
+from operator import itemgetter
+from typing import AsyncIterator, Iterable
+
+from sqlalchemy.exc import OperationalError
 
 from services.gateway.routing import Decision, PoolState, RoutePolicy
 from services.serving.config import BatchConfig
 
 from . import metrics
 from .files import FileStore
-from .jsonl import ENDPOINTS, Line, error, parse_input
+from .jsonl import ENDPOINTS, Line, error, parse_input, read_body
 from .store import BatchStore
 from .threads import Threads
 
@@ -45,6 +50,9 @@ log = logging.getLogger("swiftkv.batch")
 
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 CANCELLED_MESSAGE = "This request was not executed: the batch was cancelled."
+MAX_RATE_LIMIT_PAUSE = 60.0  # a key's per-minute buckets refill completely within a minute
+# The statuses each final status may be set from: a cancel is never overwritten by a completion or an expiry.
+FINAL_FROM = {"completed": ("finalizing",), "expired": ("in_progress",), "cancelled": ("cancelling",)}
 
 
 class PoolSlots:
@@ -140,7 +148,12 @@ class Runner:
                 await self.update_backlog()
             try:
                 if len(self.jobs) < self.cfg.max_active_batches and any(p.ready for p in self.gateway.pools.values()):
-                    batch = await self.io(self.store.claim, self.worker, self.cfg.lease_seconds, list(self.jobs))
+                    # The last free slot is for a key with no batch here: one key's batches never take them all
+                    # (one batch alone can fill the pools' batch slots, so a slot left empty costs little).
+                    last = len(self.jobs) == self.cfg.max_active_batches - 1
+                    owners = {job.batch["owner"] for job in self.jobs.values()} if last else ()
+                    batch = await self.io(self.store.claim, self.worker, self.cfg.lease_seconds, list(self.jobs), owners,
+                                           self.cfg.max_attempts)
                     if batch is not None:
                         self.start_job(batch)
                         continue
@@ -189,10 +202,14 @@ class Job:
         self.runner = runner
         self.batch = batch
         self.id = batch["id"]
+        self.path = runner.files.path(batch["input_file_id"])
         self.task: asyncio.Task | None = None
         self.stop = asyncio.Event()
         self.reason: str | None = None  # why it stopped early: cancelled | expired | lost (the lease)
         self.serving: set[asyncio.Task] = set()
+        # The key is over its per-minute limits: no line is sent before resume_at (monotonic), a longer pause each time.
+        self.resume_at = 0.0
+        self.backoff = 0.0
 
     def halt(self, reason: str) -> None:
         if self.reason is None:
@@ -201,51 +218,69 @@ class Job:
         for task in self.serving:  # closing the stream aborts the engine request
             task.cancel()
 
+    async def pause(self, seconds: float) -> bool:
+        """Wait `seconds`, or less if the job stops meanwhile; True if it stopped."""
+        with suppress(TimeoutError):
+            await asyncio.wait_for(self.stop.wait(), seconds)
+        return self.stop.is_set()
+
     async def run(self) -> None:
         r = self.runner
         keeper = asyncio.create_task(self.keep_lease())
         try:
-            lines, errors = await r.io(self.read_input)
-            if errors:
-                await r.io(r.store.finish, self.id, r.worker, {
-                    "status": "failed", "failed_at": int(time.time()), "errors": {"object": "list", "data": errors}}, [])
-                metrics.finished.labels("failed").inc()
-                return
-            values = {"total": len(lines)} if self.batch["total"] != len(lines) else {}
-            if self.batch["status"] == "validating":  # (a batch cancelled while validating keeps its status)
-                values |= {"status": "in_progress", "in_progress_at": int(time.time())}
-            if values:
-                await r.io(r.store.update_held, self.id, r.worker, **values)
-                self.batch |= values
-            done = await r.io(r.store.done_lines, self.id)
-            todo = deque(line for line in lines if line.number not in done)
-            if self.batch["status"] == "cancelling":
-                self.reason = "cancelled"
-            elif todo and time.time() >= self.batch["expires_at"]:
-                self.reason = "expired"
-            if todo and self.reason is None:
-                await self.work(todo)
-            self.stop.set()  # no line runs from here on; the lease is still renewed until the files are written
-            if self.reason == "lost":
-                log.info("batch %s: lease lost; another worker has it", self.id)
-                return
-            await self.finalize(lines, {"cancelled": "cancelled", "expired": "expired"}.get(self.reason, "completed"))
+            await self.process()
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("batch %s: runner error; the lease is released for a retry", self.id)
+        except OperationalError as e:  # the database is away: not the batch's fault, so not counted
+            log.warning("batch %s: the store failed (%s); the lease is released for a retry", self.id, e)
             with suppress(Exception):
                 await r.io(r.store.release, self.id, r.worker)
+            await asyncio.sleep(r.cfg.poll_seconds)
+        except Exception as e:
+            # Whatever it was (a bug, a disk error) may happen again each time: retry, but only so often.
+            log.exception("batch %s: runner error; the lease is released for a retry", self.id)
+            reason = error("batch_processing_failed", f"the batch could not be processed: it failed {r.cfg.max_attempts} "
+                           f"times in a row, the last time with {type(e).__name__}: {str(e)[:300]}")
+            with suppress(Exception):
+                if await r.io(r.store.fail_attempt, self.id, r.worker, r.cfg.max_attempts, [reason]):
+                    metrics.finished.labels("failed").inc()
+                    log.error("batch %s failed after %d attempts", self.id, r.cfg.max_attempts)
             await asyncio.sleep(r.cfg.poll_seconds)
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
 
+    async def process(self) -> None:
+        r = self.runner
+        lines, errors = await r.io(self.read_input)
+        if errors:
+            if await r.io(r.store.finish, self.id, r.worker, {
+                    "status": "failed", "failed_at": int(time.time()), "errors": {"object": "list", "data": errors}}, []):
+                metrics.finished.labels("failed").inc()
+            return
+        if self.batch["status"] == "validating" or self.batch["total"] != len(lines):
+            await r.io(r.store.update_held, self.id, r.worker, total=len(lines))
+            # only from validating: a cancel that came while the file was checked keeps its status
+            await r.io(r.store.update_held, self.id, r.worker, ("validating",), status="in_progress", in_progress_at=int(time.time()))
+            self.batch = await r.io(r.store.get_batch, None, self.id)
+        done = await r.io(r.store.done_lines, self.id)
+        todo = deque(line for line in lines if line.number not in done)
+        if self.batch["status"] == "cancelling":
+            self.reason = "cancelled"
+        elif todo and time.time() >= self.batch["expires_at"]:
+            self.reason = "expired"
+        if todo and self.reason is None:
+            await self.work(todo)
+        self.stop.set()  # no line runs from here on; the lease is still renewed until the files are written
+        if self.reason == "lost":
+            log.info("batch %s: lease lost; another worker has it", self.id)
+            return
+        await self.finalize(lines, {"cancelled": "cancelled", "expired": "expired"}.get(self.reason, "completed"))
+
     def read_input(self) -> tuple[list[Line], list[dict]]:
-        path = self.runner.files.path(self.batch["input_file_id"])
-        if not path.exists():
+        if not self.path.exists():
             return [], [error("file_not_found", f"the input file {self.batch['input_file_id']} no longer exists")]
-        return parse_input(path, self.batch["endpoint"], self.runner.cfg.max_lines)
+        return parse_input(self.path, self.batch["endpoint"], self.runner.cfg.max_lines, self.runner.cfg.max_line_bytes)
 
     async def work(self, todo: deque[Line]) -> None:
         width = self.runner.cfg.max_in_flight * max(1, len(self.runner.gateway.pools))
@@ -288,8 +323,12 @@ class Job:
     async def serve(self, line: Line) -> None:
         r = self.runner
         kind = ENDPOINTS[self.batch["endpoint"]]
+        request = await r.io(read_body, self.path, line)  # read when it runs: the job holds no bodies but those in flight
         while True:
-            task = asyncio.create_task(r.gateway.run_request(line.body, kind, self.batch["owner"], source="batch",
+            if self.resume_at > time.monotonic() and await self.pause(self.resume_at - time.monotonic()):
+                return
+            sent = time.monotonic()
+            task = asyncio.create_task(r.gateway.run_request(request, kind, self.batch["owner"], source="batch",
                                                              priority=r.cfg.priority, slot=r.slots, first_token=r.slots.first_token))
             self.serving.add(task)
             try:
@@ -305,53 +344,66 @@ class Job:
                 status, body = 500, {"error": {"message": "internal error", "type": "server_error", "param": None, "code": None}}
             else:
                 status, body = task.result()
+            code = body.get("error", {}).get("code") if status != 200 else None
             # A pool that is down is not the line's fault: wait for it, as a client would retry.
-            if status == 503 and body.get("error", {}).get("code") == "unavailable":
-                with suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), r.cfg.poll_seconds)
-                if self.stop.is_set():
+            if status == 503 and code == "unavailable":
+                if await self.pause(r.cfg.poll_seconds):
                     return
                 continue
+            # Lines are charged to the key's per-minute limits like its live requests: over them, the whole job
+            # waits (not the line failing), twice as long after each refusal of a line sent since the last pause.
+            if status == 429 and code == "rate_limit_exceeded":
+                if sent >= self.resume_at:
+                    self.backoff = min(max(2 * self.backoff, r.cfg.poll_seconds), MAX_RATE_LIMIT_PAUSE)
+                    self.resume_at = time.monotonic() + self.backoff
+                continue
+            self.backoff = 0.0
             break
         request_id = body["id"].split("-", 1)[-1] if status == 200 and isinstance(body.get("id"), str) else secrets.token_hex(12)
         await r.io(r.store.record, self.id, line.number, line.custom_id, status, request_id, body)
 
     async def finalize(self, lines: list[Line], final: str) -> None:
         r = self.runner
-        if final == "completed":
-            await r.io(r.store.update_held, self.id, r.worker, status="finalizing", finalizing_at=int(time.time()))
-        new_files, values = await r.io(self.write_outputs, lines, final)
-        now = int(time.time())
-        values |= {"status": final, f"{final}_at": now}
-        if await r.io(r.store.finish, self.id, r.worker, values, new_files):
-            metrics.finished.labels(final).inc()
-            log.info("batch %s %s", self.id, final)
+        if final == "completed" and not await r.io(r.store.update_held, self.id, r.worker, ("in_progress", "finalizing"),
+                                                   status="finalizing", finalizing_at=int(time.time())):
+            # A cancel came after the last line: it wins, and the batch keeps its results (as OpenAI's does).
+            # (Or the lease was lost, which finish() below notices.)
+            final = "cancelled"
+        while True:
+            new_files, values = await r.io(self.write_outputs, lines, final)
+            values |= {"status": final, f"{final}_at": int(time.time())}
+            if await r.io(r.store.finish, self.id, r.worker, values, new_files, FINAL_FROM[final]):
+                metrics.finished.labels(final).inc()
+                log.info("batch %s %s", self.id, final)
+                return
+            if final != "expired":
+                return  # the lease was lost: its new holder finishes the batch
+            final = "cancelled"  # cancelled while its files were written
 
     def write_outputs(self, lines: list[Line], final: str) -> tuple[list[dict], dict]:
-        """The output file (successes) and error file (failures, and lines never run), in input order.
-        File ids derive from the batch id, so finishing twice (after a crash) rewrites the same files."""
+        """The output file (successes) and error file (failures, and lines never run), in input order, each
+        written as it is read from the store. File ids derive from the batch id, so finishing twice (after a
+        crash) rewrites the same files."""
         r, owner, suffix = self.runner, self.batch["owner"], self.id.removeprefix("batch_")
-        out: list[bytes] = []
-        err: list[tuple[int, bytes]] = []
-        done = set()
-        for row in r.store.results(self.id):
-            done.add(row["line"])
-            entry = {"id": f"batch_req_{row['request_id']}", "custom_id": row["custom_id"],
-                     "response": {"status_code": row["status_code"], "request_id": row["request_id"], "body": json.loads(row["body"])},
-                     "error": None}
-            (out.append(_line(entry)) if row["ok"] else err.append((row["line"], _line(entry))))
+
+        def entry(row: dict) -> tuple[int, bytes]:
+            return row["line"], _line({"id": f"batch_req_{row['request_id']}", "custom_id": row["custom_id"], "error": None,
+                                       "response": {"status_code": row["status_code"], "request_id": row["request_id"],
+                                                    "body": json.loads(row["body"])}})
+
+        unrun: Iterable[tuple[int, bytes]] = ()
         if final != "completed":
-            message = EXPIRED_MESSAGE if final == "expired" else CANCELLED_MESSAGE
-            for line in lines:
-                if line.number not in done:
-                    entry = {"id": f"batch_req_{suffix}_{line.number}", "custom_id": line.custom_id, "response": None,
-                             "error": {"code": f"batch_{final}", "message": message}}
-                    err.append((line.number, _line(entry)))
-        err.sort(key=lambda e: e[0])
+            done, message = r.store.done_lines(self.id), EXPIRED_MESSAGE if final == "expired" else CANCELLED_MESSAGE
+            unrun = ((line.number, _line({"id": f"batch_req_{suffix}_{line.number}", "custom_id": line.custom_id, "response": None,
+                                          "error": {"code": f"batch_{final}", "message": message}}))
+                     for line in lines if line.number not in done)
+        failures = heapq.merge(map(entry, r.store.results(self.id, ok=False)), unrun, key=itemgetter(0))
         new_files, values, now = [], {"output_file_id": None, "error_file_id": None}, int(time.time())
-        for field, file_id, content in (("output_file_id", f"file-{suffix}-output", out), ("error_file_id", f"file-{suffix}-errors", [e for _, e in err])):
-            if content:
-                size = r.files.write_lines(file_id, content)
+        for field, file_id, content in (("output_file_id", f"file-{suffix}-output", map(entry, r.store.results(self.id, ok=True))),
+                                        ("error_file_id", f"file-{suffix}-errors", failures)):
+            first = next(content, None)
+            if first is not None:
+                size = r.files.write_lines(file_id, (data for _, data in itertools.chain([first], content)))
                 new_files.append({"id": file_id, "owner": owner, "purpose": "batch_output", "filename": f"{self.id}_{field[:-8]}.jsonl",
                                   "bytes": size, "created_at": now})
                 values[field] = file_id

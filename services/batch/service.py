@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import suppress
 from pathlib import Path
 
 from services.serving.config import PlatformConfig
 
 from .api import build_router, openapi_operations
-from .files import FileStore
+from .files import FileRecords, FileStore
 from .live import SharedLiveTraffic
 from .runner import Runner
 from .store import BatchStore
 from .threads import Threads
+
+log = logging.getLogger("swiftkv.batch")
 
 
 class BatchService:
@@ -28,6 +31,8 @@ class BatchService:
         self.store = BatchStore(cfg.database_url or f"sqlite:///{data_dir / 'swiftkv.db'}")
         self.files = FileStore(data_dir / "files")
         self.io = Threads()
+        expiry = self.cfg.file_expiry_seconds
+        self.records = FileRecords(self.store, self.files, {"batch": expiry, "batch_output": expiry} if expiry else {})
         self._tasks: list[asyncio.Task] = []
 
     def attach(self, gateway) -> None:
@@ -39,8 +44,18 @@ class BatchService:
         self.openapi_operations = openapi_operations(list(self.cfg.completion_windows))
 
     async def start(self) -> None:
-        loops = [self.runner.run()] + ([self.live.run()] if self.live is not None else [])
+        loops = [self.runner.run(), self.sweep_expired()] + ([self.live.run()] if self.live is not None else [])
         self._tasks = [asyncio.create_task(loop) for loop in loops]
+
+    async def sweep_expired(self) -> None:
+        """Deletes expired files while the gateway runs."""
+        while True:
+            try:
+                if removed := await self.io(self.records.sweep):
+                    log.info("deleted %d expired files", removed)
+            except Exception as e:  # the database is away: try again next time
+                log.warning("deleting expired files: %s", e)
+            await asyncio.sleep(self.cfg.file_sweep_seconds)
 
     async def stop(self) -> None:
         for task in self._tasks:

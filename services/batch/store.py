@@ -4,7 +4,9 @@ finished line. SQLAlchemy 2 Core, the same code on an embedded SQLite file and o
 Exactly-once: a line's result is keyed by (batch, line), and the batch's counters move in the same
 transaction as the insert, so a line counts once however many workers served it. A batch is worked by
 the holder of its lease (claimed with FOR UPDATE SKIP LOCKED where the database has it, and always by a
-compare-and-set on the lease's expiry), and taken over when the holder stops renewing it.
+compare-and-set on the lease's expiry), and taken over when the holder stops renewing it. Claims go to the
+key with the fewest batches being worked, so one key's batches cannot hold every runner. A status moves
+only from the statuses it may come from (compare-and-set), so a cancel is never overwritten by a runner.
 
 Every method is synchronous and short; async callers run them in a thread.
 """
@@ -17,9 +19,10 @@ import time
 from typing import Any, Collection, Iterator
 
 from sqlalchemy import (JSON, BigInteger, Boolean, Column, Float, Integer, MetaData, String, Table, Text, and_, create_engine, event,
-                        func, insert, or_, select, text, update)
-from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import IntegrityError
+                        func, insert, inspect, or_, select, text, update)
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.schema import CreateColumn
 
 metadata = MetaData()
 
@@ -54,6 +57,8 @@ batches = Table(
     Column("completion_tokens", BigInteger, nullable=False, default=0),
     Column("lease_owner", String(128)),
     Column("lease_until", Float),
+    # failed attempts at processing the batch since its last finished line (the runner gives up at batch.max_attempts)
+    Column("attempts", Integer, nullable=False, server_default="0"),
 )
 
 results = Table(
@@ -99,6 +104,7 @@ class BatchStore:
             if not self.sqlite:  # gateways starting together must not race to create the tables
                 conn.execute(text("SELECT pg_advisory_xact_lock(7263514)"))
             metadata.create_all(conn)
+            _add_missing_columns(conn)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -165,18 +171,40 @@ class BatchStore:
         return self.get_batch(owner, batch_id)
 
     # ---- the runner's side -----------------------------------------------------------------------
-    def claim(self, worker: str, lease_seconds: float, running: Collection[str] = ()) -> dict | None:
+    def claim(self, worker: str, lease_seconds: float, running: Collection[str] = (), skip_owners: Collection[str] = (),
+              max_attempts: int | None = None) -> dict | None:
         """Take the lease of one active batch nobody holds (or whose holder stopped renewing), other than
-        the `running` ones (this worker's own: a lease it was late to renew is still its job's)."""
+        the `running` ones (this worker's own: a lease it was late to renew is still its job's) and those of
+        `skip_owners`: of the key with the fewest batches being worked (by any worker), the oldest.
+
+        A lease that lapsed in its holder's hands (a process killed mid-batch, e.g. out of memory) counts as a
+        failed attempt, like an error the job caught: the `max_attempts`-th in a row fails the batch instead
+        of handing it to the next process to die on it."""
         now = time.time()
         free = or_(batches.c.lease_until.is_(None), batches.c.lease_until < now)
+        held = batches.alias("held")
+        load = (select(func.count()).select_from(held)
+                .where(held.c.owner == batches.c.owner, held.c.status.in_(ACTIVE), held.c.lease_until >= now).scalar_subquery())
+        q = (select(batches.c.id, batches.c.lease_owner, batches.c.attempts)
+             .where(batches.c.status.in_(ACTIVE), free, batches.c.id.notin_(list(running))))
+        if skip_owners:
+            q = q.where(batches.c.owner.notin_(list(skip_owners)))
         with self.engine.begin() as conn:
-            row = conn.execute(select(batches.c.id).where(batches.c.status.in_(ACTIVE), free, batches.c.id.notin_(list(running)))
-                               .order_by(batches.c.id).limit(1).with_for_update(skip_locked=True)).first()
+            row = conn.execute(q.order_by(load, batches.c.id).limit(1).with_for_update(skip_locked=True, of=batches)).first()
             if row is None:
                 return None
+            lapsed = row.lease_owner is not None  # released leases have no owner; a lapsed one was never released
+            attempts = row.attempts + 1 if lapsed else row.attempts
+            if max_attempts is not None and attempts >= max_attempts:
+                reason = {"code": "batch_processing_failed", "param": None, "line": None,
+                          "message": f"the batch could not be processed: {attempts} workers in a row stopped while holding it "
+                                     "(a process killed, e.g. out of memory); it was not retried again"}
+                conn.execute(update(batches).where(batches.c.id == row.id, free).values(
+                    attempts=attempts, lease_owner=None, lease_until=None, status="failed", failed_at=int(now),
+                    errors={"object": "list", "data": [reason]}))
+                return None
             taken = conn.execute(update(batches).where(batches.c.id == row.id, free)
-                                 .values(lease_owner=worker, lease_until=now + lease_seconds)).rowcount
+                                 .values(lease_owner=worker, lease_until=now + lease_seconds, attempts=attempts)).rowcount
             if taken != 1:
                 return None
         return self.get_batch(None, row.id)
@@ -193,11 +221,27 @@ class BatchStore:
             conn.execute(update(batches).where(batches.c.id == batch_id, batches.c.lease_owner == worker)
                          .values(lease_owner=None, lease_until=None))
 
-    def update_held(self, batch_id: str, worker: str, **values: Any) -> bool:
-        """Change a batch this worker holds (status, timestamps, errors, files); False when the lease is gone."""
+    def update_held(self, batch_id: str, worker: str, from_status: Collection[str] = ACTIVE, **values: Any) -> bool:
+        """Change a batch this worker holds while its status is one of `from_status`; False when the lease is
+        gone or the status has moved (a cancel)."""
         with self.engine.begin() as conn:
-            return conn.execute(update(batches).where(batches.c.id == batch_id, batches.c.lease_owner == worker)
+            return conn.execute(update(batches).where(batches.c.id == batch_id, batches.c.lease_owner == worker,
+                                                      batches.c.status.in_(list(from_status)))
                                 .values(**values)).rowcount == 1
+
+    def fail_attempt(self, batch_id: str, worker: str, max_attempts: int, errors: list[dict]) -> bool:
+        """Count a failed attempt at a batch this worker holds and hand its lease back for another; the
+        `max_attempts`-th in a row fails the batch with `errors`. True when the batch failed."""
+        with self.engine.begin() as conn:
+            held = and_(batches.c.id == batch_id, batches.c.lease_owner == worker, batches.c.status.in_(ACTIVE))
+            attempts = conn.execute(select(batches.c.attempts).where(held)).scalar()
+            if attempts is None:
+                return False
+            values: dict[str, Any] = {"attempts": attempts + 1, "lease_owner": None, "lease_until": None}
+            if attempts + 1 >= max_attempts:
+                values |= {"status": "failed", "failed_at": int(time.time()), "errors": {"object": "list", "data": errors}}
+            conn.execute(update(batches).where(held).values(**values))
+            return attempts + 1 >= max_attempts
 
     def oldest_pending(self) -> int | None:
         """created_at of the oldest batch whose lines are still to be run (validating or in progress)."""
@@ -221,6 +265,7 @@ class BatchStore:
                 counter = batches.c.completed if ok else batches.c.failed
                 conn.execute(update(batches).where(batches.c.id == batch_id).values({
                     counter: counter + 1,
+                    batches.c.attempts: 0,  # progress: the failures before it were not the batch's fault
                     batches.c.prompt_tokens: batches.c.prompt_tokens + int(usage.get("prompt_tokens", 0)),
                     batches.c.completion_tokens: batches.c.completion_tokens + int(usage.get("completion_tokens", 0)),
                 }))
@@ -228,22 +273,40 @@ class BatchStore:
         except IntegrityError:
             return False
 
-    def results(self, batch_id: str) -> Iterator[dict]:
-        """Finished lines in input order."""
+    def results(self, batch_id: str, ok: bool) -> Iterator[dict]:
+        """Finished lines that succeeded (or failed) in input order, fetched a few at a time (a server-side
+        cursor on PostgreSQL), so a batch's results are never all in memory."""
+        q = select(results).where(results.c.batch_id == batch_id, results.c.ok == ok).order_by(results.c.line)
         with self.engine.connect() as conn:
-            for row in conn.execute(select(results).where(results.c.batch_id == batch_id).order_by(results.c.line)).mappings():
+            for row in conn.execution_options(yield_per=500).execute(q).mappings():
                 yield dict(row)
 
-    def finish(self, batch_id: str, worker: str, values: dict, new_files: list[dict]) -> bool:
-        """Final status and its output files in one transaction, by the lease holder only."""
+    def finish(self, batch_id: str, worker: str, values: dict, new_files: list[dict], from_status: Collection[str] = ACTIVE) -> bool:
+        """Final status and its output files in one transaction, by the lease holder only and while the
+        status is one of `from_status`."""
         with self.engine.connect() as conn:
             for record in new_files:  # ids are derived from the batch: a repeated finish replaces them
                 conn.execute(files.delete().where(files.c.id == record["id"]))
                 conn.execute(insert(files).values(**record))
-            done = conn.execute(update(batches).where(and_(batches.c.id == batch_id, batches.c.lease_owner == worker))
+            done = conn.execute(update(batches).where(batches.c.id == batch_id, batches.c.lease_owner == worker,
+                                                      batches.c.status.in_(list(from_status)))
                                 .values(**values, lease_owner=None, lease_until=None)).rowcount == 1
             conn.commit() if done else conn.rollback()
             return done
+
+
+def _add_missing_columns(conn: Connection) -> None:
+    """Columns added to the tables since the database was created (create_all only adds missing tables)."""
+    have = inspect(conn)
+    for table in metadata.sorted_tables:
+        present = {c["name"] for c in have.get_columns(table.name)}
+        for column in table.columns:
+            if column.name not in present:
+                try:
+                    conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {CreateColumn(column).compile(dialect=conn.dialect)}"))
+                except OperationalError:  # SQLite: another process starting on the same file added it first
+                    if column.name not in {c["name"] for c in inspect(conn).get_columns(table.name)}:
+                        raise
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:

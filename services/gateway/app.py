@@ -18,6 +18,7 @@ from .edge import ConcurrencyCap
 from .errors import APIError, bad_request, error_response
 from .gateway import Gateway
 from .openapi import document, json_body, ref
+from .render import json_bytes
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
 
 __all__ = ["Gateway", "create_app"]
@@ -63,7 +64,7 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
     app = FastAPI(title="SwiftKV gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.gateway = gateway
     app.add_middleware(ConcurrencyCap, limit=gateway.cfg.limits.max_concurrent_requests,
-                       paths=("/v1/chat/completions", "/v1/completions"))
+                       paths=("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"))
     if worker_header:
         app.add_middleware(WorkerHeader)
 
@@ -86,20 +87,24 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
         log.exception("unhandled error on %s", request.url.path)
         return error_response(500, "internal error", "server_error")
 
+    # Liveness: the process answers. Pools that are down (engines restarting, a RayService upgrading) are the
+    # health watcher's to bring back; restarting the gateway would only cut its streams and batch work.
     @app.get("/health")
     async def health():
-        if gateway.alive:  # alive while the pools start, then while at least one can serve
-            return {"status": "ok"}
-        return JSONResponse({"status": "unavailable", "pools": {name: p.ready for name, p in gateway.pools.items()}}, status_code=503)
+        return {"status": "ok"}
 
+    # Readiness: this process can serve, i.e. its pools were started and at least one is ready (routing sends a
+    # down pool's requests to the other, and the Files and Batch API need none). Each pool's state is in the
+    # body and in swiftkv_pool_ready.
     @app.get("/ready")
     async def ready():
-        body = {"ready": gateway.ready, "pools": {name: p.ready for name, p in gateway.pools.items()}}
-        return JSONResponse(body, status_code=200 if gateway.ready else 503)
+        body = {"ready": gateway.serving, "started": gateway.started, "pools": {name: p.ready for name, p in gateway.pools.items()}}
+        return JSONResponse(body, status_code=200 if gateway.serving else 503)
 
+    # Open like vLLM's /metrics (its API key guards /v1/* only): Prometheus scrapes it without credentials, and the
+    # chart's NetworkPolicy decides who reaches the port. No series carries a key or request content.
     @app.get("/metrics")
-    async def prometheus(request: Request):
-        gateway.keys.identify(request.headers.get("authorization"))
+    async def prometheus():
         body = generate_latest(REGISTRY)
         if gateway.extra_metrics is not None:
             body += (await gateway.extra_metrics()).encode()
@@ -121,34 +126,49 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
     async def completions(request: Request):
         return await gateway.handle(request, "completion")
 
-    # vLLM's tokenizer routes and version, for tools that probe them (same shapes as vLLM's server)
+    # vLLM's tokenizer routes and version, for tools that probe them (same shapes as vLLM's server). Like the
+    # generation routes: under the concurrency cap, charged to the key's requests and prompt tokens per minute
+    # before the work, which runs on the CPU pool.
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        gateway.keys.identify(request.headers.get("authorization"))
-        req = parse(TokenizeRequest, await gateway.read_json(request))
+        identity = gateway.keys.identify(request.headers.get("authorization"))
+        data, size = await gateway.read_body(request)
+        req = parse(TokenizeRequest, data)
         gateway.check_bounds(req)
         if req.model is not None:
             gateway.resolve_model(req.model)
+        await gateway.limiter.acquire(identity, size, 0)
         p = gateway.prompter
-        if req.messages is not None:
-            ids = p.chat_messages(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools,
-                                  req.chat_template_kwargs, add_special_tokens=bool(req.add_special_tokens))
-        else:
-            ids = p.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
-        return {"count": len(ids), "max_model_len": gateway.max_model_len, "tokens": ids,
-                "token_strs": p.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+        def work() -> dict:
+            if req.messages is not None:
+                ids = p.chat_messages(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools,
+                                      req.chat_template_kwargs, add_special_tokens=bool(req.add_special_tokens))
+            else:
+                ids = p.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+            return {"count": len(ids), "max_model_len": gateway.max_model_len, "tokens": ids,
+                    "token_strs": p.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+        answer = await gateway.off_loop(work)
+        await gateway.limiter.settle(identity, size, answer["count"], kind="prompt_tokens")
+        return Response(await gateway.off_loop(json_bytes, answer), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        gateway.keys.identify(request.headers.get("authorization"))
+        identity = gateway.keys.identify(request.headers.get("authorization"))
         req = parse(DetokenizeRequest, await gateway.read_json(request))
         if req.model is not None:
             gateway.resolve_model(req.model)
+        await gateway.limiter.acquire(identity, len(req.tokens), 0)  # the token ids count as prompt tokens
         vocab = gateway.prompter.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is not in the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": gateway.prompter.decode(req.tokens)}
+
+        def work() -> bytes:
+            bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"token id {bad} is not in the vocabulary [0, {vocab})", param="tokens")
+            return json_bytes({"prompt": gateway.prompter.decode(req.tokens)})
+
+        return Response(await gateway.off_loop(work), media_type="application/json")
 
     @app.get("/version")
     async def version():
@@ -163,7 +183,7 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
         app.include_router(ext.router)
         operations.update(getattr(ext, "openapi_operations", {}))
     models = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
-    app.openapi = lambda: document(app, operations, models, bearer=gateway.keys.enabled, public=("/health", "/ready", "/version"))
+    app.openapi = lambda: document(app, operations, models, bearer=gateway.keys.enabled, public=("/health", "/ready", "/metrics", "/version"))
     return app
 
 

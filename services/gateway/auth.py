@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import logging
 import math
 import os
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from .errors import APIError
 
+log = logging.getLogger("swiftkv.gateway")
 
 def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
@@ -37,7 +40,7 @@ def load_keys(env_value: str | None, file: str | Path | None) -> dict[str, dict[
         limits = {}
         for option in options:
             name, _, value = option.partition("=")
-            if name not in LIMIT_FIELDS or not value.isdigit() or int(value) < 1:
+            if name not in LIMIT_FIELDS or not (value.isascii() and value.isdigit()) or int(value) < 1:  # '²' is a digit int() refuses
                 raise ValueError(f"bad key option {option!r}: expected one of {', '.join(LIMIT_FIELDS)} = a positive integer")
             limits[name] = int(value)
         if key.startswith("sha256:"):
@@ -95,8 +98,10 @@ class Bucket:
 
 
 class RateLimiter:
-    """Per key: requests, prompt tokens and output tokens per minute. Output tokens are reserved up front
-    (max_tokens or the expected output) and settled against what was generated when the request ends."""
+    """Per key: requests, prompt tokens and output tokens per minute, taken before the request costs any
+    work. Prompt tokens are taken as an upper-bound estimate (the body's bytes) and settled to the exact count
+    once tokenized; output tokens are reserved (max_tokens or the expected output) and settled against what
+    was generated when the request ends."""
 
     KINDS = ("requests", "prompt_tokens", "output_tokens")
 
@@ -109,7 +114,11 @@ class RateLimiter:
     def limits(self, identity: str) -> dict[str, int | None]:
         return self.defaults | self.per_key.get(identity, {})
 
-    def acquire(self, identity: str, prompt_tokens: int, output_tokens: int) -> None:
+    # Async like the Redis limiter's, so callers await either.
+    async def acquire(self, identity: str, prompt_tokens: int, output_tokens: int) -> None:
+        self._take(identity, prompt_tokens, output_tokens)
+
+    def _take(self, identity: str, prompt_tokens: int, output_tokens: int) -> None:
         now = time.monotonic()
         buckets = self.buckets.get(identity)
         if buckets is None:
@@ -131,20 +140,27 @@ class RateLimiter:
         for kind, bucket in buckets.items():
             bucket.level -= min(need[kind], bucket.capacity)
 
-    def charge(self, identity: str, output_tokens: int) -> None:
+    async def charge(self, identity: str, output_tokens: int) -> None:
         """Take an output reservation again without a limit check (a request admitted once and retried)."""
+        self._charge(identity, output_tokens)
+
+    def _charge(self, identity: str, output_tokens: int) -> None:
         bucket = self.buckets.get(identity, {}).get("output_tokens")
         if bucket is not None:
             bucket.level -= min(output_tokens, bucket.capacity)
 
-    def settle(self, identity: str, reserved_output: int, actual_output: int) -> None:
-        """Charge what was generated: the unused reservation comes back, an overage (a request without
-        max_tokens that ran past its estimate) is taken too, and may leave the bucket below zero so the
-        key's next requests wait until it has refilled."""
-        bucket = self.buckets.get(identity, {}).get("output_tokens")
+    async def settle(self, identity: str, reserved: int, actual: int, kind: str = "output_tokens") -> None:
+        """Charge what was used instead of what acquire() took for `kind`: output tokens generated against
+        their reservation, or a prompt's exact token count against its estimate. What was not used comes
+        back; an overage (a request without max_tokens that ran past its estimate) is taken too, and may
+        leave the bucket below zero so the key's next requests wait until it has refilled."""
+        self._settle(identity, reserved, actual, kind)
+
+    def _settle(self, identity: str, reserved: int, actual: int, kind: str) -> None:
+        bucket = self.buckets.get(identity, {}).get(kind)
         if bucket is not None:
-            taken = min(reserved_output, bucket.capacity)  # what acquire() took
-            bucket.level = min(bucket.capacity, bucket.level + taken - actual_output)
+            taken = min(reserved, bucket.capacity)  # what acquire() took
+            bucket.level = min(bucket.capacity, bucket.level + taken - actual)
 
 
 # Refill every bucket of a key from Redis' own clock, then (take) refuse with the longest wait or take all
@@ -188,32 +204,40 @@ return {0, '0'}
 class RedisRateLimiter(RateLimiter):
     """The same per-key buckets kept in Redis, so every gateway process sharing `redis_url` enforces one
     limit. If Redis cannot be reached the gateway keeps serving on its own in-process buckets (the base
-    class) and says so in `swiftkv_rate_limits_shared` (0); Redis is tried again every `retry_seconds`."""
+    class) and says so in `swiftkv_rate_limits_shared` (0); Redis is tried again every `retry_seconds`.
+    Calls go through redis.asyncio: a slow or silent Redis holds only the requests waiting on it, never
+    the event loop (and so never the streams of other requests)."""
 
     PREFIX = "swiftkv:ratelimit:"
 
     def __init__(self, redis_url: str, *args, retry_seconds: float = 5.0, **kwargs):
-        import redis
-
         super().__init__(*args, **kwargs)
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        # No retries inside a call (they would hold the event loop): a failed call falls back at once and
-        # Redis is tried again after retry_seconds.
-        self.redis = redis.Redis.from_url(redis_url, socket_connect_timeout=0.25, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
-        self.script = self.redis.register_script(_BUCKETS_LUA)
+        self.url = redis_url
         self.retry_seconds = retry_seconds
         self.down_since: float | None = None
+        self._clients: tuple | None = None  # (event loop, client, script): a redis.asyncio client serves one loop
         from . import metrics
 
         self.metric = metrics.rate_limits_shared
         self.metric.set(1)
 
+    def _script(self):
+        import redis.asyncio
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        loop = asyncio.get_running_loop()
+        if self._clients is None or self._clients[0] is not loop:
+            # No retries inside a call: a failed call falls back at once and Redis is tried again after retry_seconds.
+            client = redis.asyncio.Redis.from_url(self.url, socket_connect_timeout=0.25, socket_timeout=0.5,
+                                                  retry=Retry(NoBackoff(), 0))
+            self._clients = (loop, client, client.register_script(_BUCKETS_LUA))
+        return self._clients[2]
+
     def _shared(self) -> bool:
         return self.down_since is None or time.monotonic() - self.down_since >= self.retry_seconds
 
-    def _run(self, identity: str, mode: str, amounts: dict[str, float]):
+    async def _run(self, identity: str, mode: str, amounts: dict[str, float]):
         """The script on this key's buckets -> its answer, or None when Redis is unreachable (now local)."""
         import redis
 
@@ -225,29 +249,25 @@ class RedisRateLimiter(RateLimiter):
         for k in kinds:
             args += [limits[k], amounts[k]]
         try:
-            out = self.script(keys=[f"{self.PREFIX}{identity}:{k}" for k in kinds], args=args)
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            out = await self._script()(keys=[f"{self.PREFIX}{identity}:{k}" for k in kinds], args=args)
+        except (redis.ConnectionError, redis.TimeoutError, OSError, TimeoutError) as e:
             if self.down_since is None:
-                import logging
-
-                logging.getLogger("swiftkv.gateway").warning("rate limits: Redis unreachable (%s); using this process's own limits", e)
+                log.warning("rate limits: Redis unreachable (%s); using this process's own limits", e or type(e).__name__)
             self.down_since = time.monotonic()
             self.metric.set(0)
             return None
         if self.down_since is not None:
-            import logging
-
-            logging.getLogger("swiftkv.gateway").info("rate limits: Redis reachable again; limits shared")
+            log.info("rate limits: Redis reachable again; limits shared")
         self.down_since = None
         self.metric.set(1)
         return int(out[0]), float(out[1]), kinds
 
-    def acquire(self, identity: str, prompt_tokens: int, output_tokens: int) -> None:
-        if not self._shared():
-            return super().acquire(identity, prompt_tokens, output_tokens)
-        res = self._run(identity, "take", {"requests": 1, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens})
+    async def acquire(self, identity: str, prompt_tokens: int, output_tokens: int) -> None:
+        res = None
+        if self._shared():
+            res = await self._run(identity, "take", {"requests": 1, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens})
         if res is None:
-            return super().acquire(identity, prompt_tokens, output_tokens)
+            return self._take(identity, prompt_tokens, output_tokens)
         if res[0] == 0:
             return
         refused, wait, kinds = res
@@ -258,16 +278,16 @@ class RedisRateLimiter(RateLimiter):
                        "requests" if kind == "requests" else "tokens", code="rate_limit_exceeded",
                        headers={"Retry-After": str(retry)})
 
-    def settle(self, identity: str, reserved_output: int, actual_output: int) -> None:
-        cap = self.limits(identity).get("output_tokens")
+    async def settle(self, identity: str, reserved: int, actual: int, kind: str = "output_tokens") -> None:
+        cap = self.limits(identity).get(kind)
         if not cap:
             return
-        if not self._shared() or self._run(identity, "adjust", {"output_tokens": min(reserved_output, cap) - actual_output}) is None:
-            super().settle(identity, reserved_output, actual_output)
+        if not self._shared() or await self._run(identity, "adjust", {kind: min(reserved, cap) - actual}) is None:
+            self._settle(identity, reserved, actual, kind)
 
-    def charge(self, identity: str, output_tokens: int) -> None:
+    async def charge(self, identity: str, output_tokens: int) -> None:
         cap = self.limits(identity).get("output_tokens")
         if not cap:
             return
-        if not self._shared() or self._run(identity, "adjust", {"output_tokens": -min(output_tokens, cap)}) is None:
-            super().charge(identity, output_tokens)
+        if not self._shared() or await self._run(identity, "adjust", {"output_tokens": -min(output_tokens, cap)}) is None:
+            self._charge(identity, output_tokens)

@@ -6,8 +6,9 @@
   (slow-loris) are a 408 and the connection closes; a client that reads nothing of its response while the
   gateway has more than the transport's high-water mark (64 KiB) queued for `send_timeout_seconds` is
   disconnected, which aborts its engine request like any disconnect.
-- `ConcurrencyCap`: at most `max_concurrent_requests` generation requests at once per gateway process
-  (a stream counts until its last byte); the next is a 503 with Retry-After, never queued in memory.
+- `ConcurrencyCap`: at most `max_concurrent_requests` generation, /tokenize and /detokenize requests at once
+  per gateway process (a stream counts until its last byte); the next is a 503 with Retry-After, never queued
+  in memory.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Request handling: validate -> authenticate -> count tokens -> limit -> route -> stream, and the pools'
-lifecycle (start, health watch, recovery).
+"""Request handling: authenticate -> validate -> limit -> count tokens (off the event loop) -> route -> stream,
+and the pools' lifecycle (start, health watch, recovery).
 
 One public model name maps to the pools (routed by prompt/output ratio); each pool's own model name
 bypasses routing. Every response carries `x-swiftkv-route: pool=...; reason=...; ratio=...`.
@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import json
 import logging
 import math
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, aclosing, nullcontext
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -25,13 +27,13 @@ from services.serving.backend import (Backend, BackendDown, BackendError, BadReq
                                       UpstreamError)
 from services.serving.config import PlatformConfig
 
-from . import metrics
+from . import constraints, metrics
 from .auth import KeyStore, RateLimiter, RedisRateLimiter
 from .errors import APIError, bad_request, error_body, sse_error
 from .prompts import Prompter, max_model_len
-from .render import ChatRender, Choice, CompletionRender, sse_event, usage_dict
+from .render import ChatRender, Choice, CompletionRender, json_bytes, sse_event, usage_dict
 from .routing import Decision, Ewma, NoPoolAvailable, PoolState, RoutePolicy
-from .schemas import ChatCompletionRequest, CompletionRequest, parse
+from .schemas import ChatCompletionRequest, CompletionRequest, check_tree, parse
 from .tools import ToolCalls, parser_class
 
 log = logging.getLogger("swiftkv.gateway")
@@ -45,6 +47,7 @@ REJECTION_REASONS = {
     "string_above_max_length": "bounds",
     "integer_above_max_value": "bounds",
     "context_length_exceeded": "prompt_too_long",
+    "response_too_large": "bounds",
     "model_not_found": "unknown_model",
     "unavailable": "unavailable",
 }
@@ -72,6 +75,13 @@ class Gateway:
         limits = (cfg.limits.requests_per_minute, cfg.limits.prompt_tokens_per_minute, cfg.limits.output_tokens_per_minute, keys.digests)
         self.limiter = RedisRateLimiter(cfg.redis_url, *limits) if cfg.redis_url else RateLimiter(*limits)
         self.output_estimate = Ewma(float(cfg.routing.default_output_estimate))
+        # Work that grows with a request's body (templates, tokenization, tools, grammar checks, large answers)
+        # runs here, never on the event loop, where it would stall every stream of the process (the tokenizer
+        # and xgrammar release the GIL). Four threads: a small request finds one free beside a few huge ones;
+        # more work waits its turn (requests are bounded by limits.max_concurrent_requests).
+        self.cpu = ThreadPoolExecutor(max_workers=4, thread_name_prefix="swiftkv-cpu")
+        self.check_constraints = constraints.checked_here(cfg)
+        self._settling: set[asyncio.Task] = set()
         self.created = int(time.time())
         # A pool that is down is checked again within a health period: when to try again after a 503.
         self.retry_after = {"Retry-After": str(max(1, math.ceil(cfg.health.period_seconds)))}
@@ -158,20 +168,24 @@ class Gateway:
         return all(p.ready for p in self.pools.values())
 
     @property
-    def alive(self) -> bool:
-        """False once started when no pool can serve: the process is of no use until one recovers."""
-        return not self.started or any(p.ready for p in self.pools.values())
+    def serving(self) -> bool:
+        """Every pool's first start was tried and at least one pool can serve (readiness)."""
+        return self.started and any(p.ready for p in self.pools.values())
 
     # ---- request preparation ---------------------------------------------------------------------
     async def read_json(self, request: Request) -> object:
-        """The body as JSON: more than limits.max_body_bytes is a 413 (refused from Content-Length before
-        reading when declared), a body still arriving after limits.body_timeout_seconds a 408; both close
-        the connection (the rest of the body is never read)."""
+        return (await self.read_body(request))[0]
+
+    async def read_body(self, request: Request) -> tuple[object, int]:
+        """The body as JSON, and its size in bytes: more than limits.max_body_bytes is a 413 (refused from
+        Content-Length before reading when declared), a body still arriving after limits.body_timeout_seconds
+        a 408; both close the connection (the rest of the body is never read). JSON that nests too deeply or
+        holds a lone surrogate is a 400 (`check_tree`)."""
         limits = self.cfg.limits
         limit = limits.max_body_bytes
         close = {"Connection": "close"}
         declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
+        if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"request body is {declared} bytes; the limit is {limit} bytes (limits.max_body_bytes)",
                            code="request_too_large", headers=close)
         chunks: list[bytes] = []
@@ -189,9 +203,14 @@ class Gateway:
                                 f"(limits.body_timeout_seconds)", code="request_timeout", headers=close) from None
         body = b"".join(chunks)
         try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
+            text = body.decode(json.detect_encoding(body))  # what json.loads(bytes) would decode
+            data = json.loads(text)
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise bad_request(f"malformed JSON body: {e}", code="invalid_json")
+        except RecursionError:
+            raise bad_request("the JSON body nests objects and arrays too deeply", code="invalid_json")
+        check_tree(data, text)
+        return data, size
 
     def resolve_model(self, name: str) -> str | None:
         if name not in self.models:
@@ -270,7 +289,14 @@ class Gateway:
             if status == "ok" and estimate_output:
                 self.output_estimate.update(per_choice)
             if reserved is not None:  # charge what was generated, beyond the reservation too
-                self.limiter.settle(identity, reserved, generated)
+                self.settle_later(identity, reserved, generated)
+
+    def settle_later(self, identity: str, reserved: int, generated: int) -> None:
+        """Settle an output reservation in a task of its own: it completes even while the request's own task
+        is being cancelled (the client left), and the end of an answer never waits on Redis."""
+        task = asyncio.get_running_loop().create_task(self.limiter.settle(identity, reserved, generated))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
     async def retried(self, decision, model: str, request: GenerateRequest, t0: float, identity: str,
                       reserved: int | None, estimate_output: bool, source: str = "live") -> AsyncIterator[Output]:
@@ -301,7 +327,7 @@ class Gateway:
                     request.request_id, again.pool)
         metrics.retries.labels(decision.pool, again.pool).inc()
         if reserved is not None:
-            self.limiter.charge(identity, reserved)
+            await self.limiter.charge(identity, reserved)
         retry = dataclasses.replace(request, request_id=f"{request.request_id}-r")
         async with aclosing(self.tracked(self.pools[again.pool], model, retry, t0, identity, reserved,
                                          estimate_output, source)) as stream:
@@ -311,22 +337,18 @@ class Gateway:
     async def prepare(self, request: Request, kind: str):
         """Everything before dispatch; raises APIError for any refusal."""
         identity = self.keys.identify(request.headers.get("authorization"))
-        data = await self.read_json(request)
-        return self.prepare_body(data, kind, identity)
+        data, size = await self.read_body(request)
+        return await self.prepare_body(data, kind, identity, size)
 
-    def prepare_body(self, data: object, kind: str, identity: str, charge: bool = True):
-        """A parsed body -> what dispatch needs; `charge=False` leaves the per-minute limits alone."""
-        tools = None
+    async def prepare_body(self, data: object, kind: str, identity: str, size: int = 0, charge: bool = True):
+        """A parsed body -> what dispatch needs. The checks that cost little run first; then the key is charged
+        (the request, `size` (the body's bytes, an upper bound of its prompt tokens) and the expected output)
+        before the work that grows with the body (`build_prompt`) runs on the CPU pool; the prompt tokens are
+        then settled to their exact count. `charge=False` leaves the per-minute limits alone."""
         if kind == "chat":
             req = parse(ChatCompletionRequest, data)
             self.check_bounds(req)
             logprobs = req.logprobs_k()
-            pinned = self.resolve_model(req.model)
-            if req.tool_mode() is not None:
-                tools = self.tool_calls(req, pinned)
-            prompt_ids = self.prompter.chat(req)
-            role = "assistant" if req.add_generation_prompt else req.messages[-1].role
-            echo = req.messages[-1].text() if req.echo and req.messages[-1].role == role else ""
         else:
             req = parse(CompletionRequest, data)
             self.check_bounds(req)
@@ -336,30 +358,31 @@ class Gateway:
                 raise bad_request("echo with logprobs needs the prompt's logprobs, which the engines here do not give "
                                   "(SwiftKV skips the later layers for prompt tokens)", param="echo")
             logprobs = req.logprobs_k()
-            pinned = self.resolve_model(req.model)
-            prompt_ids = self.prompter.completion(req)
-            echo = ""
-            if req.echo:
-                prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list)) else req.prompt
-                echo = prompt if isinstance(prompt, str) else self.prompter.decode(prompt)
+        pinned = self.resolve_model(req.model)
         self.check_token_ids(req)
-        structured, structured_param = req.structured()
-        if tools is not None and tools.structured is not None:
-            structured, structured_param = tools.structured, "tools"
         requested = req.output_limit()
-        max_tokens = self.output_tokens(len(prompt_ids), requested, "messages" if kind == "chat" else "prompt")
-        if req.min_tokens > max_tokens:
-            raise bad_request(f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
-        expected = requested or max(1, min(max_tokens, round(self.output_estimate.value)))
-        reserved = expected * req.n if charge else None  # None: not charged to the key's limits
+        reserved = (requested or max(1, round(self.output_estimate.value))) * req.n if charge else None  # None: not charged
         if reserved is not None:
-            self.limiter.acquire(identity, len(prompt_ids), reserved)
+            await self.limiter.acquire(identity, size, reserved)
         try:
-            decision = self.policy.decide(len(prompt_ids), expected, self.pools, pinned)
-        except NoPoolAvailable as e:
+            tools, prompt_ids, echo, structured, structured_param = await self.off_loop(self.build_prompt, req, kind, pinned)
+            max_tokens = self.output_tokens(len(prompt_ids), requested, "messages" if kind == "chat" else "prompt")
+            if req.min_tokens > max_tokens:
+                raise bad_request(f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
+            self.check_answer_size(req, max_tokens, logprobs)
+            expected = requested or max(1, min(max_tokens, round(self.output_estimate.value)))
             if reserved is not None:
-                self.limiter.settle(identity, reserved, 0)
-            raise APIError(503, f"{e}; try again shortly", "server_error", code="unavailable", headers=self.retry_after)
+                await self.limiter.settle(identity, size, len(prompt_ids), kind="prompt_tokens")
+                if expected * req.n < reserved:  # less room in the context than the estimate reserved
+                    await self.limiter.settle(identity, reserved, expected * req.n)
+                    reserved = expected * req.n
+            decision = self.policy.decide(len(prompt_ids), expected, self.pools, pinned)
+        except (APIError, NoPoolAvailable) as e:
+            if reserved is not None:  # the output reservation comes back; the request and its prompt stay charged
+                await self.limiter.settle(identity, reserved, 0)
+            if isinstance(e, NoPoolAvailable):
+                raise APIError(503, f"{e}; try again shortly", "server_error", code="unavailable", headers=self.retry_after) from None
+            raise
         sampling = SamplingOptions(
             max_tokens=max_tokens, n=req.n, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
             stop=req.stops(), logprobs=logprobs, presence_penalty=req.presence_penalty,
@@ -373,6 +396,46 @@ class Gateway:
         r = render(gen.request_id, req.model, int(time.time()), req.n, logprobs is not None, tools, echo)
         r.structured_param = structured_param  # the field an engine's refusal of the constraint is about
         return identity, req, gen, decision, reserved, requested is None, r
+
+    def build_prompt(self, req: ChatCompletionRequest | CompletionRequest, kind: str, pinned: str | None):
+        """The work that grows with the body, on the CPU pool: tools, the structured-output constraint's
+        check, chat template and tokenization -> (tools, prompt ids, echo, constraint, its request field)."""
+        tools = None
+        if kind == "chat":
+            if req.tool_mode() is not None:
+                tools = self.tool_calls(req, pinned)
+            prompt_ids = self.prompter.chat(req)
+            role = "assistant" if req.add_generation_prompt else req.messages[-1].role
+            echo = req.messages[-1].text() if req.echo and req.messages[-1].role == role else ""
+        else:
+            prompt_ids = self.prompter.completion(req)
+            echo = ""
+            if req.echo:
+                prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], (str, list)) else req.prompt
+                echo = prompt if isinstance(prompt, str) else self.prompter.decode(prompt)
+        structured, structured_param = req.structured()
+        if tools is not None and tools.structured is not None:
+            structured, structured_param = tools.structured, "tools"
+        if structured is not None and self.check_constraints:
+            constraints.check(structured, structured_param)
+        return tools, prompt_ids, echo, structured, structured_param
+
+    async def off_loop(self, fn, *args):
+        """`fn(*args)` on the CPU pool: the event loop keeps serving every other request meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, functools.partial(fn, *args))
+
+    def check_answer_size(self, req, max_tokens: int, logprobs: int | None) -> None:
+        """A non-streamed answer is held whole in the gateway until it is sent (about 0.6 KB per token and per
+        top logprob): n * max_tokens * (1 + top logprobs) is bounded by limits.max_unstreamed_tokens."""
+        limit = self.cfg.limits.max_unstreamed_tokens
+        size = req.n * max_tokens * (1 + (logprobs or 0))
+        if req.stream or limit is None or size <= limit:
+            return
+        tokens = f"max_tokens {max_tokens}" if req.output_limit() else f"max_tokens unset ({max_tokens} tokens left in the context)"
+        raise APIError(400, f"a non-streamed answer of n {req.n} x {tokens} x (1 + {logprobs or 0} top logprobs) may hold "
+                            f"{size} tokens and logprobs; the limit is {limit} (limits.max_unstreamed_tokens): stream it "
+                            "(stream: true), or lower n, max_tokens or the top logprobs", param="max_tokens",
+                       code="response_too_large")
 
     def tool_calls(self, req: ChatCompletionRequest, pinned: str | None) -> ToolCalls:
         """The request's tools with the parser of the pool(s) it may go to (every one must have the same)."""
@@ -460,12 +523,14 @@ class Gateway:
                           first_token: Callable[[], None] | None = None) -> tuple[int, dict]:
         """Serve one already-parsed, non-streamed request body without HTTP (the Batch API's lines): the same
         validation, token counting, routing, backends and metrics (labelled `source`) as live traffic, at
-        the engine priority given, not charged to per-minute limits. `slot(decision)` is entered once the route
-        is decided and held while the engine works (the caller's bound on its own requests per pool); it may
-        move the request to another pool: the decision it yields is the one served and counted. `first_token()`
-        is called, in the calling task, when the first output token arrives."""
+        the engine priority given, charged to the key's per-minute limits (a 429 when over them, which the
+        caller waits out). `slot(decision)` is entered once the route is decided and held while the engine
+        works (the caller's bound on its own requests per pool); it may move the request to another pool: the
+        decision it yields is the one served and counted. `first_token()` is called, in the calling task,
+        when the first output token arrives."""
         try:
-            _, req, gen, decision, reserved, estimate, r = self.prepare_body(data, kind, identity, charge=False)
+            check_tree(data)
+            _, req, gen, decision, reserved, estimate, r = await self.prepare_body(data, kind, identity)
             if req.stream:
                 raise bad_request("stream is not supported here", param="stream")
         except APIError as e:
@@ -495,7 +560,7 @@ class Gateway:
         except (BadRequest, BackendError) as e:
             return failure(e, structured_param)
         completion_tokens = sum(c.tokens for c in choices)
-        return 200, r.full(choices, usage_dict(prompt_tokens, completion_tokens))
+        return 200, await self.off_loop(r.full, choices, usage_dict(prompt_tokens, completion_tokens))
 
     async def complete(self, request: Request, stream: AsyncIterator[Output], r, prompt_tokens: int, headers,
                        structured_param: str | None = None) -> Response:
@@ -503,7 +568,9 @@ class Gateway:
             status, body = await until_disconnect(request, self.collect(stream, r, prompt_tokens, structured_param))
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(body, status_code=status, headers=headers | (self.retry_after if status == 503 else {}))
+        content = await self.off_loop(json_bytes, body)  # up to limits.max_unstreamed_tokens of it
+        return Response(content, status_code=status, headers=headers | (self.retry_after if status == 503 else {}),
+                        media_type="application/json")
 
     async def sse(self, stream: AsyncIterator[Output], first: list[Output], r, prompt_tokens: int,
                   include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:

@@ -20,6 +20,11 @@ def usage_dict(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def json_bytes(body: dict) -> bytes:
+    """A whole answer as JSON, as Starlette's JSONResponse writes it."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
 def sse_event(chunk: dict, include_usage: bool, usage: dict | None = None) -> bytes:
     """`usage`: vLLM's continuous usage stats (the counts so far on every chunk)."""
     if include_usage:
@@ -28,7 +33,8 @@ def sse_event(chunk: dict, include_usage: bool, usage: dict | None = None) -> by
 
 
 class ChatRender:
-    """OpenAI chat.completion and chat.completion.chunk objects."""
+    """OpenAI chat.completion and chat.completion.chunk objects, with the fields OpenAI's schema requires even
+    where they are always null here (`refusal` in messages and logprobs)."""
 
     def __init__(self, request_id: str, model: str, created: int, n: int, logprobs: bool, tools=None, echo: str = ""):
         """`tools`: a ToolCalls turning answers into tool calls; `echo`: text that starts every choice (vLLM's echo)."""
@@ -50,13 +56,15 @@ class ChatRender:
     def _logprobs(items) -> dict:
         def entry(token, logprob):
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-        return {"content": [entry(t.token, t.logprob) | {"top_logprobs": [entry(a, b) for a, b in t.top]} for t in items]}
+        return {"content": [entry(t.token, t.logprob) | {"top_logprobs": [entry(a, b) for a, b in t.top]} for t in items],
+                "refusal": None}
 
     def _message(self, c: Choice) -> tuple[dict, str | None]:
         text = self.echo + "".join(c.text)
         if self.tools is not None:
-            return self.tools.message(text, c.finish_reason)
-        return {"role": "assistant", "content": text}, c.finish_reason
+            message, finish_reason = self.tools.message(text, c.finish_reason)
+            return {"role": message.pop("role"), "content": message.pop("content"), "refusal": None} | message, finish_reason
+        return {"role": "assistant", "content": text, "refusal": None}, c.finish_reason
 
     def full(self, choices: list[Choice], usage: dict) -> dict:
         out = []
@@ -68,7 +76,7 @@ class ChatRender:
 
     def start(self) -> list[dict]:
         return [self._base("chat.completion.chunk") | {"choices": [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            {"index": i, "delta": {"role": "assistant", "content": "", "refusal": None}, "logprobs": None, "finish_reason": None}
             for i in range(self.n)]}]
 
     def chunk(self, out: Output) -> dict:

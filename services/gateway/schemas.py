@@ -5,6 +5,7 @@ silent default or coercion. Bounds follow OpenAI's and vLLM's; vLLM's extensions
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -14,6 +15,9 @@ from .errors import bad_request
 
 MAX_INT32 = 2**31 - 1  # token counts: far above any context, small enough for every engine
 MAX_SCHEMA_CHARS = 100_000  # a JSON schema, grammar or regex for structured output, serialized
+MAX_JSON_DEPTH = 100  # objects and arrays nested in a body (vLLM's own bound on a schema is 64 levels)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into JSON text
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class FieldError(ValueError):
@@ -81,7 +85,7 @@ class Message(Strict):
             for c in self.tool_calls:
                 try:
                     args = json.loads(c.function.arguments)
-                except ValueError:
+                except (ValueError, RecursionError):
                     args = c.function.arguments
                 calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
             m["tool_calls"] = calls
@@ -127,6 +131,11 @@ class StructuredOutputs(Strict):
         kinds = [k for k in ("json_", "regex", "choice", "grammar", "json_object") if getattr(self, k) is not None]
         if len(kinds) != 1:
             raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
+        if self.json_object is False:
+            raise ValueError("json_object must be true when given (leave out structured_outputs for no constraint)")
+        for k in ("json_", "grammar"):
+            if isinstance(getattr(self, k), str) and not getattr(self, k).strip():
+                raise ValueError(f"{k.rstrip('_')} must not be empty")
         return self
 
     def params(self) -> dict:
@@ -201,8 +210,8 @@ class Sampling(Strict):
     @classmethod
     def _logit_bias(cls, v):
         for k, b in (v or {}).items():
-            if not k.isdigit():
-                raise ValueError(f"keys are token ids written as strings, not {k!r}")
+            if not (k.isascii() and k.isdigit()):  # '²' and '١' are digits too, which int() refuses or reads
+                raise ValueError(f"keys are token ids written as strings of the digits 0-9, not {k!r}")
             if not -100 <= b <= 100:
                 raise ValueError(f"biases are between -100 and 100 (token {k}: {b})")
         return v
@@ -216,7 +225,7 @@ class Sampling(Strict):
         if self.response_format is not None and self.response_format.json_schema is not None:
             _check_size(self.response_format.json_schema.schema_, "response_format.json_schema.schema")
         if self.structured_outputs is not None:
-            for k in ("json_", "regex", "grammar", "choice"):
+            for k in ("json_", "regex", "grammar", "choice", "whitespace_pattern"):
                 _check_size(getattr(self.structured_outputs, k), f"structured_outputs.{k.rstrip('_')}")
         return self
 
@@ -358,6 +367,38 @@ class DetokenizeRequest(Strict):
 def _union_tag(part: str) -> bool:
     """pydantic names the member of a union in an error's location (`str`, `list[int]`): not a field."""
     return part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[", "function-"))
+
+
+def check_tree(data: object, text: str | None = None) -> None:
+    """A decoded JSON body's two hazards for what runs after validation: nesting past MAX_JSON_DEPTH (recursion
+    in serializers, chat templates and grammar converters) and lone UTF-16 surrogates ("\\ud800": valid JSON,
+    but no UTF-8 for the tokenizer or any native library). Either is a 400 naming the field. `text`, the body
+    itself, skips the walk when it cannot hold either."""
+    surrogates = text is None or _SURROGATE_ESCAPE.search(text) is not None
+    if not surrogates and text.count("{") + text.count("[") <= MAX_JSON_DEPTH:
+        return
+    stack: list[tuple[object, tuple, int]] = [(data, (), 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                _bad_string(path)
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"{path[0]} nests objects and arrays more than {MAX_JSON_DEPTH} levels deep",
+                              param=str(path[0]), code="invalid_value")
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if surrogates and isinstance(key, str) and _SURROGATE.search(key):
+                _bad_string((*path, key))
+            if isinstance(item, (dict, list)) or (surrogates and isinstance(item, str)):
+                stack.append((item, (*path, key), depth + 1))
+
+
+def _bad_string(path: tuple) -> None:
+    param = ".".join(str(p) for p in path) or None
+    raise bad_request(f"{param or 'the body'} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                      "which is no Unicode text; escape characters outside the BMP as a surrogate pair",
+                      param=param, code="invalid_value")
 
 
 def parse(model: type[Strict], data: object):

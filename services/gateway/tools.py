@@ -28,7 +28,7 @@ from .schemas import ChatCompletionRequest
 log = logging.getLogger("swiftkv.gateway")
 
 
-def _refusals() -> tuple[type[Exception], ...]:
+def vllm_refusals() -> tuple[type[Exception], ...]:
     """What vLLM raises for a request it refuses (its validation errors are not all ValueErrors)."""
     from vllm.exceptions import VLLMClientError
 
@@ -59,7 +59,7 @@ def _vllm_request(req: ChatCompletionRequest):
         body["structured_outputs"] = req.structured_outputs.params()
     try:
         return VllmChatRequest.model_validate(body | {"messages": [{"role": "user", "content": ""}]})
-    except _refusals() as e:  # what vLLM's own request validation refuses (pydantic's errors are ValueErrors)
+    except vllm_refusals() as e:  # what vLLM's own request validation refuses (pydantic's errors are ValueErrors)
         raise bad_request(f"tools: {e}", param="tools")
 
 
@@ -85,7 +85,7 @@ class ToolCalls:
 
             try:
                 schema = get_json_schema_from_tools(self.vreq.tool_choice, self.vreq.tools, self.vreq.parallel_tool_calls)
-            except _refusals() as e:
+            except vllm_refusals() as e:
                 raise bad_request(f"tools: {e}", param="tools")
             self.structured = {"json": schema}
         self._streams: dict[int, _ChoiceStream] = {}
@@ -98,7 +98,7 @@ class ToolCalls:
         before = self.vreq.extract_structured_outputs()
         try:
             self.vreq = self.parser_cls(self.tokenizer, self.vreq.tools).adjust_request(self.vreq)
-        except _refusals() as e:
+        except vllm_refusals() as e:
             raise bad_request(f"tools: {e}", param="tools")
         after = self.vreq.extract_structured_outputs()
         if after is not None and after != before:
@@ -200,6 +200,6 @@ class _ChoiceStream:
 def _json_list(text: str) -> list[dict]:
     try:
         value = json.loads(text, strict=False)  # control characters in strings: some grammars let them through
-    except ValueError:
+    except (ValueError, RecursionError):
         return []  # cut short (max_tokens): no whole call to report
     return [c for c in value if isinstance(c, dict) and "name" in c] if isinstance(value, list) else []

@@ -127,7 +127,7 @@ class LimitsConfig(StrictModel):
     max_n: int = Field(16, ge=1, description="choices per request (n)")
     max_logit_bias: int = Field(1024, ge=1, description="logit_bias entries")
     max_tools: int = Field(128, ge=1, description="tools of a chat request (OpenAI's bound)")
-    max_concurrent_requests: int | None = Field(512, ge=1, description="generation requests one gateway process holds at once "
+    max_concurrent_requests: int | None = Field(512, ge=1, description="generation, /tokenize and /detokenize requests one gateway process holds at once "
                                                 "(streams until their last byte); more are a 503 with Retry-After; null: no cap")
     header_timeout_seconds: float = Field(10.0, gt=0, description="from a connection's (or request's) first byte to the end of "
                                           "its headers; a client still sending them is disconnected")
@@ -138,6 +138,10 @@ class LimitsConfig(StrictModel):
     send_timeout_seconds: float = Field(30.0, gt=0, description="a client that reads nothing of its response for this long "
                                         "is disconnected and its engine request aborted")
     max_prompt_tokens: int | None = Field(None, ge=1, description="default: the smallest max_model_len of the pools")
+    max_unstreamed_tokens: int | None = Field(131_072, ge=1, description="n * max_tokens * (1 + top logprobs) of a non-streamed "
+                                              "answer, which the gateway holds whole before sending it (about 0.6 KB per "
+                                              "token and per logprob); more is a 400 that says to stream. The default lets "
+                                              "n 16 fill an 8192-token context; null: no bound")
     requests_per_minute: int | None = Field(None, ge=1)
     prompt_tokens_per_minute: int | None = Field(None, ge=1)
     output_tokens_per_minute: int | None = Field(None, ge=1)
@@ -166,7 +170,18 @@ class BatchConfig(StrictModel):
     priority: int = Field(10, description="vLLM priority of batch requests (live: 0; lower runs first; used by engines with scheduling_policy=priority)")
     max_active_batches: int = Field(4, ge=1, description="batches one gateway process works at once")
     max_lines: int = Field(50_000, ge=1)
+    max_line_bytes: int = Field(1_000_000, ge=1024, description="one line (request) of a batch input file, like "
+                                "limits.max_body_bytes for a live request; a longer line fails the batch naming it")
+    max_attempts: int = Field(3, ge=1, description="a batch whose processing fails this many times (an unexpected error, "
+                              "not a line's) ends failed with the error in its errors")
     max_file_bytes: int = Field(200_000_000, ge=1024, description="largest uploaded file")
+    file_expiry_seconds: int | None = Field(30 * 86400, ge=3600, description="batch input files uploaded without "
+                                            "expires_after, and batch output and error files, expire this long after "
+                                            "their creation (OpenAI's 30 days); null: kept until deleted")
+    max_storage_bytes_per_key: int | None = Field(2 << 30, ge=1024, description="bytes of files (uploads and batch output) one "
+                                                  "key may hold; an upload past it is a 413 storage_quota_exceeded; null: no "
+                                                  "quota. 2 GiB: a fifth of the Helm chart's 10 Gi file volume")
+    file_sweep_seconds: float = Field(60.0, gt=0, description="how often expired files are deleted")
     lease_seconds: float = Field(30.0, gt=0, description="a batch whose holder stops renewing is taken over after this")
     poll_seconds: float = Field(1.0, gt=0, description="how often idle runners look for work")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -22,6 +23,9 @@ from .backend import BackendDown, BackendError, BadRequest, ChoiceDelta, Generat
 log = logging.getLogger("swiftkv.engine")
 
 WARMUP_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+# How long an engine core gets to exit after SIGTERM. vLLM's default (5 s) is the time its core itself waits for
+# its workers: a core killed then leaves its shared memory behind (resource_tracker's "leaked" warning at exit).
+SHUTDOWN_SECONDS = 15.0
 
 
 class EngineMetrics:
@@ -95,6 +99,7 @@ def to_sampling_params(options: SamplingOptions):
 
 
 def _logprobs(token_ids, entries, k: int) -> list[TokenLogprob]:
+    """Logprobs floored at -9999.0 as vLLM's server does: a masked token's -inf is not JSON."""
     result = []
     for token_id, entry in zip(token_ids, entries):
         chosen = entry[token_id]
@@ -102,8 +107,8 @@ def _logprobs(token_ids, entries, k: int) -> list[TokenLogprob]:
         result.append(
             TokenLogprob(
                 token=chosen.decoded_token or "",
-                logprob=float(chosen.logprob),
-                top=[(lp.decoded_token or "", float(lp.logprob)) for lp in top],
+                logprob=max(float(chosen.logprob), -9999.0),
+                top=[(lp.decoded_token or "", max(float(lp.logprob), -9999.0)) for lp in top],
             )
         )
     return result
@@ -149,8 +154,10 @@ class VLLMEngine:
         self.warmup = warmup
         self.llm = None
         self.ready = False
+        self.stopped = False
+        self._swap = threading.Lock()  # stop() against a start finishing in its thread
 
-    def _build(self):
+    def _build(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -158,12 +165,27 @@ class VLLMEngine:
 
         engine_args = engine_args_for_machine(self.engine_args, vllm_on_cpu(), f"pools.{self.name}.engine_args")
         args = AsyncEngineArgs(model=self.model, served_model_name=[self.served_model_name], **engine_args)
+        # The engine's processes inherit this thread's signal mask: with SIGINT blocked, a Ctrl-C in a terminal (sent
+        # to the whole process group) reaches only the gateway, which drains, then stops them in order.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         with cpu_binding(self.cpu_bind):
-            return AsyncLLM.from_engine_args(args, stat_loggers=self.stat_loggers)
+            llm = AsyncLLM.from_engine_args(args, stat_loggers=self.stat_loggers)
+        # Kept on self, not returned nor left in a local: this thread's frames can outlive the start (an error a
+        # library stored while vLLM imported holds them), and an engine they still hold at exit shuts down again
+        # in the interpreter's teardown, with a traceback.
+        with self._swap:
+            if not self.stopped:
+                self.llm, llm = llm, None
+        if llm is not None:  # stopped while it started: its processes would outlive the gateway
+            llm.shutdown(timeout=SHUTDOWN_SECONDS)
 
     async def start(self, adopt_metrics: bool = False) -> None:
         t0 = time.perf_counter()
-        self.llm = await asyncio.to_thread(self._build)
+        self.stopped = False
+        log.info("pool %s: starting the engine for %s", self.name, self.model)
+        await asyncio.to_thread(self._build)
+        if self.llm is None:
+            raise BackendDown(f"pool {self.name}: stopped while its engine started")
         if adopt_metrics:
             engine_metrics().adopt_vllm_collectors(self.name)
         if self.warmup:
@@ -171,7 +193,9 @@ class VLLMEngine:
             async for _ in self.generate(request):
                 pass
         self.ready = True
-        log.info("pool %s: engine for %s ready in %.1fs", self.name, self.model, time.perf_counter() - t0)
+        cache = self.llm.vllm_config.cache_config
+        log.info("pool %s: engine for %s ready in %.1fs (KV cache: %s tokens)", self.name, self.model, time.perf_counter() - t0,
+                 f"{(cache.num_gpu_blocks or 0) * cache.block_size:,}")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
         from vllm.exceptions import VLLMClientError
@@ -194,6 +218,8 @@ class VLLMEngine:
                         queue_seconds = max(0.0, stats.scheduled_ts - stats.queued_ts)
                 choices = []
                 for c in out.outputs:
+                    if c.finish_reason == "error":  # vLLM failed this request in its engine (e.g. its grammar did not compile)
+                        raise BackendError(f"pool {self.name}: the engine failed request {request.request_id}")
                     if not c.token_ids and c.finish_reason is None:
                         continue
                     logprobs = None
@@ -205,7 +231,7 @@ class VLLMEngine:
             raise BadRequest(str(e)) from e
         except ValueError as e:  # vLLM validates sampling parameters and prompt length with ValueError
             raise BadRequest(str(e)) from e
-        except (asyncio.CancelledError, GeneratorExit):
+        except (asyncio.CancelledError, GeneratorExit, BackendError):
             raise
         except Exception as e:
             # Only a dead engine takes the pool down; anything else failed this one request.
@@ -227,9 +253,10 @@ class VLLMEngine:
             return False
 
     async def stop(self) -> None:
-        llm, self.llm, self.ready = self.llm, None, False
+        with self._swap:
+            llm, self.llm, self.ready, self.stopped = self.llm, None, False, True
         if llm is not None:
-            llm.shutdown()
+            llm.shutdown(timeout=SHUTDOWN_SECONDS)
 
 
 class InProcessBackend(VLLMEngine):

@@ -79,7 +79,10 @@ class RemoteBackend:
                     data = line[5:].strip()
                     if data == "[DONE]":
                         break
-                    chunk = json.loads(data)
+                    try:
+                        chunk = json.loads(data)
+                    except (ValueError, RecursionError):
+                        raise BackendError(f"pool {self.name}: the server sent an event that is not JSON: {data[:200]!r}") from None
                     if "error" in chunk or chunk.get("object") == "error":  # the server failed the request mid-stream
                         raise _upstream_error(None, data)
                     choices = [self._choice(c, chunk.get("usage"), counted) for c in chunk.get("choices") or []]
@@ -148,7 +151,7 @@ def _upstream_error(status: int | None, text: str) -> UpstreamError:
         err = data.get("error", data) if isinstance(data, dict) else {}
         if not isinstance(err, dict):
             err = {"message": str(err)}
-    except ValueError:
+    except (ValueError, RecursionError):
         err = {"message": text[:500]}
     code, kind = err.get("code"), err.get("type")
     if status is None:

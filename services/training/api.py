@@ -1,12 +1,18 @@
 """OpenAI's Files and fine-tuning jobs routes, same shapes, so the official `openai` SDK drives the service:
 `client.fine_tuning.jobs.create(model=..., training_file=..., method={"type": "distillation", ...})`.
 
-Every refusal is a 400 naming the field (the SDK raises BadRequestError), decided before anything is
-written, so a refused job leaves no row, no event and no run folder behind."""
+Every route wants one of the gateway's API keys when keys are configured (401 otherwise), and a key sees only its
+own files and jobs (another key's ids answer 404), as in the Batch API. Every refusal is a 400 naming the field
+(the SDK raises BadRequestError), decided before anything is written, so a refused job leaves no row, no event and
+no run folder behind; the whole request is checked before its model is prepared or downloaded."""
 
 from __future__ import annotations
 
+import asyncio
+import fnmatch
 import json
+import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -14,14 +20,13 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from sqlalchemy.exc import OperationalError
 
-from services.batch.api import file_object, int_param, not_found, only_query, page, receive_upload
+from services.batch.api import ID, check_metadata, cursor, file_object, int_param, not_found, only_query, page, receive_upload
 from services.batch.store import new_id
 from services.gateway.errors import APIError, bad_request
 from swiftkv_core.distill import DistillConfig
 
 from .metrics import jobs_finished
 
-OWNER = "anonymous"  # the trainer is an internal service: one tenant, like the gateway without API keys
 JOB_FIELDS = {"model", "training_file", "validation_file", "method", "suffix", "seed", "metadata", "hyperparameters", "integrations"}
 _D = {f.name: f.default for f in DistillConfig.__dataclass_fields__.values()}
 # name -> (type, default, check, DistillConfig field); defaults are those of `swiftkv distill`
@@ -57,8 +62,9 @@ def job_object(j: dict) -> dict:
 
 
 def event_object(e: dict) -> dict:
+    # OpenAI's event types are "message" and "metrics" (a store written by an older version may hold "checkpoint")
     return {"id": e["id"], "object": "fine_tuning.job.event", "created_at": e["created_at"], "level": e["level"],
-            "message": e["message"], "type": e["type"], "data": e["data"] or {}}
+            "message": e["message"], "type": e["type"] if e["type"] == "metrics" else "message", "data": e["data"] or {}}
 
 
 def checkpoint_object(c: dict) -> dict:
@@ -76,8 +82,9 @@ def check_records(path: Path, param: str) -> int:
                 continue
             try:
                 rec = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise bad_request(f"line {number} of the file is not valid JSON", param=param, code="invalid_file_format")
+            except (ValueError, RecursionError):  # ValueError: not JSON, not UTF-8; RecursionError: nested too deep
+                raise bad_request(f"line {number} of the file is not valid JSON (or nests too deep to parse)", param=param,
+                                  code="invalid_file_format")
             ok = isinstance(rec, dict) and (
                 isinstance(rec.get("text"), str) and rec["text"].strip()
                 or isinstance(rec.get("messages"), list) and rec["messages"] and all(
@@ -91,39 +98,70 @@ def check_records(path: Path, param: str) -> int:
     return n
 
 
-def resolve_model(name: str, models_dir: Path) -> tuple[Path, dict]:
-    """A name from `swiftkv models list`, a local folder or a hub id -> (folder, config.json); 400 otherwise."""
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def model_source(name: str, models_dir: Path, allowed: list[str]) -> tuple[str, str | Path]:
+    """Where a job's `model` comes from, decided without building or downloading anything: ("registered", name) for
+    a name `swiftkv models prepare` builds, ("local", folder) for a model folder in the models directory (by its name
+    there, or a path into it), ("hub", id) for a hub id the operator allowed (allowed_models). Any other folder on
+    this machine, and any other hub id, is a 400 saying what is allowed."""
     from swiftkv_core import models
 
+    if len(name) > 512:
+        raise bad_request(f"model names are at most 512 characters; got {len(name)}", param="model")
     if name in models.fine_tuned(models_dir):
         raise bad_request(f"{name} is already a SwiftKV model; distill from its base model", param="model", code="model_not_supported")
-    folder = Path(name).expanduser()
     if name in models.REGISTRY:
-        try:
+        return "registered", name
+    root = Path(os.path.abspath(models_dir))
+    for candidate in (Path(os.path.abspath(root / name)), Path(os.path.abspath(name))):  # lexical: `..` cannot leave root
+        if candidate.is_relative_to(root) and candidate != root and not any(
+                part.startswith(".") for part in candidate.relative_to(root).parts) and (candidate / "config.json").is_file():
+            return "local", candidate
+    if HUB_ID.fullmatch(name) and any(fnmatch.fnmatchcase(name, pattern) for pattern in allowed):
+        return "hub", name
+    local = sorted(p.parent.name for p in root.glob("*/config.json") if not p.parent.name.startswith(".")) if root.is_dir() else []
+    raise bad_request(
+        f"model {name!r} cannot be distilled here: name a model folder in the models directory ({', '.join(local[:20]) or 'none yet'}), "
+        f"a model `swiftkv models prepare` builds ({', '.join(models.REGISTRY)}) or a hub id the operator allowed "
+        f"(allowed_models: {', '.join(allowed) or 'none'}); other folders on the server are not accepted",
+        param="model", code="model_not_found")
+
+
+def fetch_model(source: tuple[str, str | Path], models_dir: Path) -> tuple[Path, dict]:
+    """The model folder (prepared or downloaded now if need be) and its config.json; 400 when it is not a base Llama."""
+    from swiftkv_core import models
+
+    kind, name = source
+    folder = Path(name)
+    try:
+        if kind == "registered":
             folder = models.prepare(name, models_dir)
-        except Exception as e:
-            raise bad_request(f"model {name} cannot be prepared: {e}", param="model", code="model_not_found")
-    elif not (folder / "config.json").exists():
-        if name.count("/") != 1 or folder.exists():
-            raise bad_request(f"unknown model {name!r}: not a name from `swiftkv models list`, a model folder or a hub id",
-                              param="model", code="model_not_found")
-        try:
+        elif kind == "hub":
             from huggingface_hub import snapshot_download
 
             folder = Path(snapshot_download(name))
-        except Exception as e:
-            raise bad_request(f"unknown model {name!r}: not found on the hub ({type(e).__name__})", param="model", code="model_not_found")
+    except Exception as e:
+        raise bad_request(f"model {name} cannot be {'prepared' if kind == 'registered' else 'downloaded'}: "
+                          f"{type(e).__name__}: {str(e)[:300]}", param="model", code="model_not_found")
     try:
         config = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):
         raise bad_request(f"model {name!r} has no readable config.json", param="model", code="model_not_found")
-    if config.get("model_type") != "llama":
-        raise bad_request(f"model {name!r} has model_type {config.get('model_type')!r}; only base Llama models can be distilled",
-                          param="model", code="model_not_supported")
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if kind != "llama":
+        raise bad_request(f"model {name!r} has model_type {kind!r}; only base Llama models can be distilled", param="model",
+                          code="model_not_supported")
+    if not isinstance(config.get("num_hidden_layers"), int) or config["num_hidden_layers"] < 2:
+        raise bad_request(f"model {name!r} has no num_hidden_layers of at least 2 in its config.json", param="model",
+                          code="model_not_supported")
     return folder.resolve(), config
 
 
-def parse_method(method, layers: int) -> dict:
+def parse_method(method) -> dict:
+    """The method with every hyperparameter checked and filled in but num_key_value_layers, whose default and
+    bounds depend on the model (check_layout, once the model is known)."""
     P = "method.distillation.hyperparameters"
     if method is None:
         method = {"type": "distillation"}
@@ -152,6 +190,13 @@ def parse_method(method, layers: int) -> dict:
         hp[name] = value
     for name, (_, default, _, _) in HYPERPARAMETERS.items():
         hp.setdefault(name, default)
+    return {"type": "distillation", "distillation": {"hyperparameters": hp}}
+
+
+def check_layout(method: dict, layers: int) -> None:
+    """num_key_value_layers (default: half the layers) and the AcrossKV groups against the model's layers."""
+    P = "method.distillation.hyperparameters"
+    hp = method["distillation"]["hyperparameters"]
     if hp["num_key_value_layers"] is None:
         hp["num_key_value_layers"] = layers // 2
     l, g = hp["num_key_value_layers"], hp["key_value_group_size"]
@@ -161,12 +206,15 @@ def parse_method(method, layers: int) -> dict:
     if (layers - l) % g:
         raise bad_request(f"key_value_group_size {g} does not divide the {layers - l} layers after num_key_value_layers={l}",
                           param=f"{P}.key_value_group_size")
-    return {"type": "distillation", "distillation": {"hyperparameters": hp}}
 
 
 def build_router(service) -> APIRouter:
     store, files, settings = service.store, service.files, service.settings
     router = APIRouter()
+
+    def owner(request: Request) -> str:
+        """The caller's key digest ("anonymous" without keys); 401 when keys are configured and it has none valid."""
+        return service.keys.identify(request.headers.get("authorization"))
 
     async def db(fn, *args, **kwargs):
         try:
@@ -176,10 +224,23 @@ def build_router(service) -> APIRouter:
                            "server_error", code="unavailable")
 
     async def body_of(request: Request) -> dict:
+        """The request's JSON object. Past max_body_bytes a 413, before the rest is read (from Content-Length when
+        declared); the connection is then closed."""
+        limit, close = settings.max_body_bytes, {"Connection": "close"}
+        declared = request.headers.get("content-length", "")
+        if declared.isascii() and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body is {declared} bytes; the limit is {limit} bytes (max_body_bytes)",
+                           code="request_too_large", headers=close)
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise APIError(413, f"request body is over the limit of {limit} bytes (max_body_bytes)", code="request_too_large",
+                               headers=close)
         try:
-            body = json.loads(await request.body() or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise bad_request("the body is not valid JSON")
+            body = json.loads(raw or b"null")
+        except (ValueError, RecursionError):  # ValueError: not JSON, not UTF-8; RecursionError: nested too deep
+            raise bad_request("the body is not valid JSON (or nests too deep to parse)", code="invalid_json")
         if not isinstance(body, dict):
             raise bad_request("the body must be a JSON object")
         return body
@@ -187,31 +248,34 @@ def build_router(service) -> APIRouter:
     # ---- files (the Batch API's store and file store) ---------------------------------------------
     @router.post("/v1/files")
     async def upload(request: Request):
-        return await receive_upload(request, OWNER, ("fine-tune", "batch"), settings.max_file_bytes, files, store, db, service.io)
+        return await receive_upload(request, owner(request), ("fine-tune", "batch"), settings.max_file_bytes, files, store, db, service.io)
+
+    async def find_file(who: str, file_id: str) -> dict | None:
+        return await db(store.get_file, who, file_id) if ID.fullmatch(file_id) else None  # an id no service hands out names nothing
 
     @router.get("/v1/files/{file_id}")
-    async def get_file(file_id: str):
-        f = await db(store.get_file, OWNER, file_id)
+    async def get_file(request: Request, file_id: str):
+        f = await find_file(owner(request), file_id)
         if f is None:
             raise not_found("file", file_id)
         return file_object(f)
 
     @router.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str):
+    async def file_content(request: Request, file_id: str):
         from starlette.responses import FileResponse
 
-        f = await db(store.get_file, OWNER, file_id)
+        f = await find_file(owner(request), file_id)
         if f is None or not files.path(file_id).exists():
             raise not_found("file", file_id)
         return FileResponse(files.path(file_id), media_type="application/octet-stream", filename=f["filename"])
 
     # ---- jobs ------------------------------------------------------------------------------------
-    async def input_file(file_id, param: str) -> Path:
+    async def input_file(who: str, file_id, param: str) -> Path:
         if not isinstance(file_id, str) or not file_id:
             raise bad_request(f"{param} must be a file id", param=param)
-        f = await db(store.get_file, OWNER, file_id)
+        f = await find_file(who, file_id)
         if f is None or not files.path(file_id).exists():
-            raise bad_request(f"no such file: {file_id}", param=param, code="file_not_found")
+            raise bad_request(f"no such file: {file_id[:64]}", param=param, code="file_not_found")
         if f["purpose"] != "fine-tune":
             raise bad_request(f"{file_id} was uploaded with purpose '{f['purpose']}'; a job needs purpose 'fine-tune'", param=param)
         await db(check_records, files.path(file_id), param)
@@ -219,6 +283,7 @@ def build_router(service) -> APIRouter:
 
     @router.post("/v1/fine_tuning/jobs")
     async def create_job(request: Request):
+        who = owner(request)
         body = await body_of(request)
         for name in body:
             if name not in JOB_FIELDS:
@@ -235,15 +300,17 @@ def build_router(service) -> APIRouter:
             raise bad_request("suffix must be 1 to 64 letters, digits, '-' or '_'", param="suffix")
         if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= 2**31 - 1):
             raise bad_request("seed must be an integer from 0 to 2147483647", param="seed")
-        if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
-                isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())):
-            raise bad_request("metadata must map at most 16 keys (up to 64 characters) to strings (up to 512)", param="metadata")
-        folder, config = await service.io(resolve_model, model, Path(settings.models_dir))
-        method = parse_method(body.get("method"), int(config["num_hidden_layers"]))
-        train = await input_file(body.get("training_file"), "training_file")
-        valid = await input_file(body["validation_file"], "validation_file") if body.get("validation_file") else None
+        check_metadata(metadata)
+        method = parse_method(body.get("method"))
+        source = await service.io(model_source, model, Path(settings.models_dir), settings.allowed_models)
+        train = await input_file(who, body.get("training_file"), "training_file")
+        valid = await input_file(who, body["validation_file"], "validation_file") if body.get("validation_file") else None
+        # Only a request valid in every other respect prepares or downloads its model, on a thread of its own (it may
+        # take minutes), so the store's threads keep serving.
+        folder, config = await asyncio.to_thread(fetch_model, source, Path(settings.models_dir))
+        check_layout(method, config["num_hidden_layers"])
         job_id = new_id("ftjob-")
-        record = {"id": job_id, "owner": OWNER, "model": model, "training_file": body["training_file"],
+        record = {"id": job_id, "owner": who, "model": model, "training_file": body["training_file"],
                   "validation_file": body.get("validation_file"), "method": method, "suffix": suffix,
                   "seed": seed if seed is not None else 0, "metadata": metadata, "status": "validating_files",
                   "created_at": int(time.time()), "attempts": 0, "trained_tokens": 0}
@@ -255,41 +322,46 @@ def build_router(service) -> APIRouter:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
         service.wake.set()
-        return job_object(await db(store.get_job, OWNER, job_id))
+        return job_object(await db(store.get_job, who, job_id))
 
     @router.get("/v1/fine_tuning/jobs")
     async def list_jobs(request: Request):
+        who = owner(request)
         only_query(request, "after", "limit")
-        rows, more = await db(store.list_jobs, OWNER, request.query_params.get("after"), int_param(request, "limit", 20, 1, 100))
+        rows, more = await db(store.list_jobs, who, cursor(request), int_param(request, "limit", 20, 1, 100))
         return page([job_object(j) for j in rows], more)
 
-    async def own_job(job_id: str) -> dict:
-        j = await db(store.get_job, OWNER, job_id)
+    async def own_job(who: str, job_id: str) -> dict:
+        """The caller's job; another key's is a 404, as if it did not exist."""
+        j = await db(store.get_job, who, job_id) if ID.fullmatch(job_id) else None  # an id no service hands out names nothing
         if j is None:
             raise not_found("fine_tuning_job", job_id)
         return j
 
     @router.get("/v1/fine_tuning/jobs/{job_id}")
-    async def get_job(job_id: str):
-        return job_object(await own_job(job_id))
+    async def get_job(request: Request, job_id: str):
+        return job_object(await own_job(owner(request), job_id))
 
     @router.get("/v1/fine_tuning/jobs/{job_id}/events")
     async def job_events(request: Request, job_id: str):
+        who = owner(request)
         only_query(request, "after", "limit")
-        await own_job(job_id)
-        rows, more = await db(store.list_events, job_id, request.query_params.get("after"), int_param(request, "limit", 20, 1, 1000))
+        await own_job(who, job_id)
+        rows, more = await db(store.list_events, job_id, cursor(request), int_param(request, "limit", 20, 1, 1000))
         return page([event_object(e) for e in rows], more)
 
     @router.get("/v1/fine_tuning/jobs/{job_id}/checkpoints")
     async def job_checkpoints(request: Request, job_id: str):
+        who = owner(request)
         only_query(request, "after", "limit")
-        await own_job(job_id)
-        rows, more = await db(store.list_checkpoints, job_id, request.query_params.get("after"), int_param(request, "limit", 10, 1, 1000))
+        await own_job(who, job_id)
+        rows, more = await db(store.list_checkpoints, job_id, cursor(request), int_param(request, "limit", 10, 1, 1000))
         return page([checkpoint_object(c) for c in rows], more)
 
     @router.post("/v1/fine_tuning/jobs/{job_id}/cancel")
-    async def cancel_job(job_id: str):
-        j = await own_job(job_id)
+    async def cancel_job(request: Request, job_id: str):
+        who = owner(request)
+        j = await own_job(who, job_id)
         if not await db(store.update_job, job_id, ("validating_files", "queued", "running", "paused"), status="cancelled",
                         finished_at=int(time.time()), control=None):
             raise APIError(409, f"a job that is {j['status']} cannot be cancelled", param="job_id", code="job_not_cancellable")
@@ -297,22 +369,24 @@ def build_router(service) -> APIRouter:
         await service.io(service.worker.stop, j)
         await db(store.update_job, job_id, runner_ref=None)
         await db(store.add_event, job_id, "Fine-tuning job cancelled")
-        return job_object(await own_job(job_id))
+        return job_object(await own_job(who, job_id))
 
     @router.post("/v1/fine_tuning/jobs/{job_id}/pause")
-    async def pause_job(job_id: str):
-        j = await own_job(job_id)
+    async def pause_job(request: Request, job_id: str):
+        who = owner(request)
+        j = await own_job(who, job_id)
         if await db(store.update_job, job_id, ("validating_files", "queued"), status="paused"):
             await db(store.add_event, job_id, "Fine-tuning job paused before it started")
         elif await db(store.update_job, job_id, ("running",), control="pause"):
             await db(store.add_event, job_id, "Pause requested: the job stops at its next checkpoint")
         elif j["status"] != "paused":
             raise APIError(409, f"a job that is {j['status']} cannot be paused", param="job_id", code="job_not_pausable")
-        return job_object(await own_job(job_id))
+        return job_object(await own_job(who, job_id))
 
     @router.post("/v1/fine_tuning/jobs/{job_id}/resume")
-    async def resume_job(job_id: str):
-        j = await own_job(job_id)
+    async def resume_job(request: Request, job_id: str):
+        who = owner(request)
+        j = await own_job(who, job_id)
         if await db(store.update_job, job_id, ("paused",), status="queued", control=None, runner_ref=None):
             await db(store.add_event, job_id, "Fine-tuning job resumed: queued to continue from its last checkpoint")
             service.wake.set()
@@ -320,6 +394,6 @@ def build_router(service) -> APIRouter:
             pass  # a pause not yet reached is withdrawn
         else:
             raise APIError(409, f"a job that is {j['status']} cannot be resumed", param="job_id", code="job_not_resumable")
-        return job_object(await own_job(job_id))
+        return job_object(await own_job(who, job_id))
 
     return router

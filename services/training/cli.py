@@ -12,7 +12,7 @@ trainer_app = typer.Typer(no_args_is_help=True, help="The distillation job servi
 
 @trainer_app.command("serve")
 def trainer_serve_command(
-    host: Annotated[Optional[str], typer.Option(help="Address to listen on (default 0.0.0.0)")] = None,
+    host: Annotated[Optional[str], typer.Option(help="Address to listen on (default 127.0.0.1; 0.0.0.0 with API keys in a cluster)")] = None,
     port: Annotated[Optional[int], typer.Option(help="Port (default 8001)")] = None,
     data_dir: Annotated[Optional[Path], typer.Option(help="Store, files and run folders (default data/trainer)")] = None,
     database_url: Annotated[Optional[str], typer.Option(help="SQLAlchemy URL (PostgreSQL in a cluster); default SQLite in the data dir")] = None,
@@ -23,6 +23,8 @@ def trainer_serve_command(
     eval_max_tokens: Annotated[Optional[int], typer.Option(help="Tokens of the final evaluation (0 = none; default 16384)")] = None,
     eval_prompts: Annotated[Optional[int], typer.Option(help="Short prompts for greedy agreement in the evaluation (default 4)")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch threads of a job's process")] = None,
+    api_keys_file: Annotated[Optional[str], typer.Option(help="The gateway's API keys file (also SWIFTKV_API_KEYS / SWIFTKV_API_KEYS_FILE)")] = None,
+    allowed_models: Annotated[Optional[str], typer.Option(help="Hub ids or glob patterns a job may download, comma-separated (default: none; models-dir and prepared names only)")] = None,
     log_level: Annotated[str, typer.Option(help="Log level")] = "info",
 ) -> None:
     """Serve OpenAI's fine-tuning jobs API; each job distills a SwiftKV model and publishes it for serving."""
@@ -31,7 +33,7 @@ def trainer_serve_command(
     given = {"host": host, "port": port, "data_dir": str(data_dir) if data_dir else None, "database_url": database_url,
              "ray_address": ray_address, "models_dir": str(models_dir) if models_dir else None,
              "checkpoint_every": checkpoint_every, "events_every": events_every, "eval_max_tokens": eval_max_tokens,
-             "eval_prompts": eval_prompts, "threads": threads}
+             "eval_prompts": eval_prompts, "threads": threads, "api_keys_file": api_keys_file, "allowed_models": allowed_models}
     settings = TrainerSettings(**{k: v for k, v in given.items() if v is not None})
     for name in ("checkpoint_every", "events_every"):
         if getattr(settings, name) < 1:

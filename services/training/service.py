@@ -6,18 +6,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
+from typing import Annotated
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from starlette.responses import JSONResponse, Response
 
 from services.batch.files import FileStore
 from services.batch.threads import Threads
+from services.gateway.auth import KeyStore
 from services.gateway.errors import APIError, error_response
 
 from .api import build_router
@@ -32,8 +36,15 @@ log = logging.getLogger("swiftkv.training")
 class TrainerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SWIFTKV_TRAINER_")
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # a cluster sets 0.0.0.0 (the chart does), with the gateway's API keys
     port: int = 8001
+    # The gateway's keys (a key sees only its own files and jobs): this file (--api-keys-file), else
+    # SWIFTKV_API_KEYS_FILE, plus SWIFTKV_API_KEYS. No keys: one anonymous tenant.
+    api_keys_file: str | None = None
+    # Hub ids (or glob patterns: "meta-llama/*") a job may download as its base model; none by default, so only
+    # models in models_dir and the names `swiftkv models prepare` builds can be distilled.
+    allowed_models: Annotated[list[str], NoDecode] = []
+    max_body_bytes: int = 1_000_000  # a JSON request body; more is a 413 (an upload's bound is max_file_bytes)
     data_dir: str = "data/trainer"
     database_url: str | None = None  # default: SQLite file in data_dir
     models_dir: str = "models"  # where finished jobs publish their SwiftKV checkpoints (`swiftkv models list --dir`)
@@ -48,10 +59,17 @@ class TrainerSettings(BaseSettings):
     threads: int | None = None  # torch threads of the job process
     poll_seconds: float = 0.5
 
+    @field_validator("allowed_models", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):  # SWIFTKV_TRAINER_ALLOWED_MODELS="org/a,org/b-*"
+        return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
 
 class TrainerService:
     def __init__(self, settings: TrainerSettings):
         self.settings = settings
+        # the keys first: a bad keys file stops the service before it creates anything
+        self.keys = KeyStore.from_env(settings.api_keys_file or os.environ.get("SWIFTKV_API_KEYS_FILE"))
         data_dir = Path(settings.data_dir).expanduser()
         data_dir.mkdir(parents=True, exist_ok=True)
         settings.data_dir = str(data_dir.resolve())
@@ -133,7 +151,8 @@ def create_app(settings: TrainerSettings) -> FastAPI:
 
     from .openapi import OPERATIONS
 
-    app.openapi = lambda: document(app, OPERATIONS)  # the routes parse their own requests: described here
+    # the routes parse their own requests: described here
+    app.openapi = lambda: document(app, OPERATIONS, bearer=service.keys.enabled, public=("/health", "/metrics"))
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -157,7 +176,7 @@ def create_app(settings: TrainerSettings) -> FastAPI:
     async def health():
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics")  # no key: Prometheus scrapes it, and it holds counts only, no tenant's objects
     async def metrics():
         counts = await service.io(service.store.count_by_status)
         for status in STATUSES:
@@ -171,4 +190,8 @@ def serve(settings: TrainerSettings, log_level: str = "info") -> None:
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)
+    try:
+        app = create_app(settings)
+    except (OSError, ValueError) as e:  # an unreadable keys file or a bad key line: say so, no traceback
+        raise SystemExit(f"error: trainer: {e}")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)

@@ -27,9 +27,22 @@ def read_metrics(run_dir: Path) -> list[dict]:
     for line in path.read_text().splitlines():
         try:
             rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
+        except (ValueError, RecursionError):  # a line being written (or not the job's own)
             break
     return rows
+
+
+def read_result(path: Path) -> dict:
+    """A JSON object the job process wrote ({} when absent); ValueError when it is anything else."""
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except RecursionError:  # nested too deep to parse
+        raise ValueError(f"{path.name} nests too deep") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path.name} is not a JSON object")
+    return value
 
 
 class Worker:
@@ -133,7 +146,8 @@ class Worker:
                 step = at["step"]
                 metrics = {"step": step, "train_loss": at.get("loss"), "tokens": at.get("tokens")}
                 if self.store.add_checkpoint(job["id"], step, metrics, str(state)):
-                    self.store.add_event(job["id"], f"Checkpoint saved at step {step}", {"step": step}, type="checkpoint")
+                    self.store.add_event(job["id"], f"Checkpoint saved at step {step}",
+                                         {"step": step, "fine_tuned_model_checkpoint": f"{job['id']}:step-{step}"})
                     if job["control"] == "pause" and step < last_step and step == saved[-1]["step"]:
                         self.backend.kill(job["runner_ref"], run_dir)
                         self.current = None
@@ -160,8 +174,10 @@ class Worker:
     def _finish(self, job: dict, run_dir: Path) -> None:
         hp = job["method"]["distillation"]["hyperparameters"]
         out = run_dir / "out"
-        result = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").exists() else {}
-        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+        try:
+            result, summary = read_result(run_dir / "eval.json"), read_result(out / "summary.json")
+        except ValueError as e:
+            return self._fail(job, "training_failed", f"the job's results are unreadable: {e}")
         if result:
             figures = {k: result[k] for k in ("top1_agreement", "kl", "ppl_ratio", "ppl_teacher", "ppl_student", "tokens") if k in result}
             self.store.add_event(job["id"], "Evaluation against the teacher: " + ", ".join(

@@ -168,3 +168,52 @@ swiftkv-{{ . }}
 {{- end -}}
 {{- toYaml $r -}}
 {{- end -}}
+
+{{/* "true" when the gateway can run several pods (replicas or autoscaling). */}}
+{{- define "swiftkv.gatewayScales" -}}
+{{- if or (gt (int .Values.gateway.replicas) 1) .Values.gateway.autoscaling.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* "true" when a persistence block (models, batchStore) gives pods on several nodes the same files. */}}
+{{- define "swiftkv.sharedVolume" -}}
+{{- if and .enabled (has "ReadWriteMany" .accessModes) -}}true{{- end -}}
+{{- end -}}
+
+{{/* A NetworkPolicy peer from a {namespace, podLabels} value: both must match ("" is the release's namespace). */}}
+{{- define "swiftkv.peer" -}}
+{{- $root := index . 0 -}}{{- $peer := index . 1 -}}
+- namespaceSelector:
+    matchLabels: {kubernetes.io/metadata.name: {{ $peer.namespace | default $root.Release.Namespace | quote }}}
+  podSelector:
+    matchLabels: {{- toYaml $peer.podLabels | nindent 6 }}
+{{- end -}}
+
+{{/* The user's peers (gatewayFrom, trainerFrom) as given; one whose podSelector comes with `namespaceSelector: {}`
+admits a pod in any namespace that copies the labels, and is refused. */}}
+{{- define "swiftkv.userPeers" -}}
+{{- $name := index . 0 -}}{{- $peers := index . 1 -}}
+{{- range $i, $peer := $peers -}}
+{{- if and (hasKey $peer "podSelector") (hasKey $peer "namespaceSelector") (empty $peer.namespaceSelector) -}}
+{{- fail (printf "networkPolicy.%s[%d]: namespaceSelector {} with a podSelector admits a pod in any namespace that carries those labels; name the namespace (namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: NAME}}), or leave namespaceSelector out for this release's namespace" $name $i) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $peers -}}
+{{- end -}}
+
+{{/* What the ServiceMonitor scrapes, as a YAML list of {what, service, match}: each gets an absent() alert. The Ray
+workers (the engines) are told from the head by the pod label the ServiceMonitor copies (ray_io_node_type). */}}
+{{- define "swiftkv.scrapeTargets" -}}
+- {what: the gateway, service: {{ include "swiftkv.fullname" . }}-gateway}
+{{- if eq .Values.engines.mode "kuberay" }}
+- {what: the engines' Ray workers, service: {{ include "swiftkv.fullname" . }}-ray-metrics, match: 'ray_io_node_type="worker"'}
+{{- else if eq .Values.engines.mode "deployments" }}
+{{- range $pool, $cfg := .Values.platform.pools }}
+{{- if ne ($cfg.backend | default "engine") "remote" }}
+- {what: pool {{ $pool }}'s vLLM server, service: {{ include "swiftkv.poolService" (list $ $pool) }}}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if .Values.trainer.enabled }}
+- {what: the trainer, service: {{ include "swiftkv.fullname" . }}-trainer}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,312 @@
+"""Hostile inputs against the gateway in-process (the real app and Gateway, a scripted backend, no engine): CPU work
+kept off the event loop and charged before it runs, /tokenize and /detokenize under the same cap and limits, the
+per-key limits in the real Redis at 127.0.0.1:6379 without blocking the loop, the bound on a non-streamed answer,
+small inputs that used to escape validation, structured-output constraints checked at the edge, and OpenAI's
+response shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import socket
+import time
+from types import SimpleNamespace as NS
+
+import httpx
+import pytest
+
+from services.gateway.app import Gateway, create_app
+from services.gateway.auth import KeyStore, RedisRateLimiter, digest
+from services.gateway.prompts import Prompter
+from services.serving.backend import BackendError, ChoiceDelta, GenerateRequest, Output, SamplingOptions, TokenLogprob
+from services.serving.config import PlatformConfig
+from services.serving.engine import VLLMEngine, _logprobs
+
+REDIS = "redis://127.0.0.1:6379/0"
+HI = [{"role": "user", "content": "hi"}]
+
+
+class Backend:
+    """Answers every request with `tokens` tokens (logprobs when asked), each after `delay` s; `gate`, when
+    set, holds the answer until it is opened. Keeps what it was sent."""
+
+    name = "decode"
+
+    def __init__(self, tokens: int = 2, delay: float = 0.0):
+        self.tokens, self.delay = tokens, delay
+        self.gate: asyncio.Event | None = None
+        self.requests = []
+
+    async def generate(self, request):
+        self.requests.append(request)
+        if self.gate is not None:
+            await self.gate.wait()
+        k = request.sampling.logprobs
+        for i in range(self.tokens):
+            await asyncio.sleep(self.delay)
+            logprobs = None if k is None else [TokenLogprob("x", -0.5, [("x", -0.5), ("y", -1.5)][:k])]
+            done = "length" if i == self.tokens - 1 else None
+            yield Output([ChoiceDelta(c, "x", 1, done, logprobs) for c in range(request.sampling.n)])
+
+    async def health(self) -> bool:
+        return True
+
+
+def gateway(tiny_base, backend=None, keys=(), redis_url=None, **limits) -> tuple[Gateway, Backend]:
+    backend = backend or Backend()
+    pool = {"model": str(tiny_base), "engine_args": {"max_model_len": 4_000_000}}
+    cfg = PlatformConfig(model="m", pools={"decode": pool}, limits=limits, redis_url=redis_url)
+    gw = Gateway(cfg, {"decode": backend}, Prompter(str(tiny_base)), KeyStore({digest(k): {} for k in keys}))
+    gw.pools["decode"].ready = True
+    return gw, backend
+
+
+def client(gw: Gateway, key: str | None = None) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gw)), base_url="http://gw", headers=headers, timeout=60)
+
+
+class Ticker:
+    """The event loop's longest stall while it runs: a task that sleeps 5 ms at a time and keeps the longest gap."""
+
+    async def __aenter__(self):
+        self.gap, self.running = 0.0, True
+
+        async def tick():
+            last = time.perf_counter()
+            while self.running:
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                self.gap, last = max(self.gap, now - last), now
+
+        self.task = asyncio.create_task(tick())
+        await asyncio.sleep(0.02)
+        return self
+
+    async def __aexit__(self, *exc):
+        self.running = False
+        await self.task
+
+
+def error(r: httpx.Response, status: int = 400) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+# ---- the event loop ---------------------------------------------------------------------------------------------
+async def test_a_huge_prompt_is_templated_and_tokenized_off_the_event_loop(tiny_base):
+    """A 0.5 MB chat prompt keeps the tokenizer busy for a while (1.5 s on 2 busy cores); meanwhile the loop keeps
+    serving: /health answers and a ticker is never held for long. Before, the loop was held for the whole of it
+    (the tokenizer's single-text encode holds the GIL, so even a thread of its own would have stalled the loop).
+    Generous bounds: the machine's other work delays the loop too."""
+    gw, backend = gateway(tiny_base)
+    prompt = "the quick brown fox jumps over the lazy dog, " * 12_000
+    async with client(gw) as c, Ticker() as ticker:
+        t0 = time.perf_counter()
+        big = asyncio.create_task(c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": prompt}],
+                                                                       "max_tokens": 2}))
+        await asyncio.sleep(0.05)
+        health = await c.get("/health")
+        health_took = time.perf_counter() - t0
+        r = await big
+        took = time.perf_counter() - t0
+    assert r.status_code == 200, r.text
+    assert len(backend.requests[0].prompt_token_ids) > 50_000
+    assert health.status_code == 200 and health_took < took
+    print(f"\n0.5 MB prompt: {took:.2f} s; /health after {health_took:.3f} s; longest loop stall {ticker.gap * 1000:.0f} ms")
+    assert ticker.gap < min(0.5, took / 3), f"the event loop stalled {ticker.gap:.2f} s of {took:.2f} s"
+
+
+async def test_the_key_is_charged_before_the_prompt_is_templated(tiny_base):
+    gw, _ = gateway(tiny_base, requests_per_minute=1)
+    calls = []
+    chat = gw.prompter.chat
+    gw.prompter.chat = lambda req: calls.append(1) or chat(req)
+    async with client(gw) as c:
+        assert (await c.post("/v1/chat/completions", json={"model": "m", "messages": HI, "max_tokens": 2})).status_code == 200
+        big = [{"role": "user", "content": "x " * 200_000}]
+        e = error(await c.post("/v1/chat/completions", json={"model": "m", "messages": big}), 429)
+    assert e["code"] == "rate_limit_exceeded"
+    assert len(calls) == 1  # the refused request was never templated
+
+
+async def test_prompt_tokens_are_charged_by_bytes_then_settled_to_the_count(tiny_base):
+    gw, backend = gateway(tiny_base, prompt_tokens_per_minute=100_000)
+    body = {"model": "m", "prompt": "hello world " * 2000, "max_tokens": 2}  # 24 KB, fewer tokens
+    async with client(gw) as c:
+        assert (await c.post("/v1/completions", json=body)).status_code == 200
+    bucket = gw.limiter.buckets["anonymous"]["prompt_tokens"]
+    used = len(backend.requests[0].prompt_token_ids)
+    assert used < len(json.dumps(body)) and 100_000 - bucket.level == pytest.approx(used, abs=5)
+
+
+async def test_tokenize_and_detokenize_are_capped_and_rate_limited(tiny_base):
+    gw, backend = gateway(tiny_base, requests_per_minute=2, max_concurrent_requests=1)
+    backend.gate = asyncio.Event()
+    async with client(gw) as c:
+        held = asyncio.create_task(c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}))
+        await asyncio.sleep(0.2)
+        e = error(await c.post("/tokenize", json={"prompt": "hello"}), 503)  # the slot is taken
+        assert e["code"] == "overloaded"
+        backend.gate.set()
+        assert (await held).status_code == 200
+        r = await c.post("/tokenize", json={"prompt": "hello"})
+        assert r.status_code == 200 and r.json()["count"] > 0
+        e = error(await c.post("/detokenize", json={"tokens": [1, 2]}), 429)  # the third request of the minute
+        assert e["code"] == "rate_limit_exceeded"
+
+
+# ---- Redis --------------------------------------------------------------------------------------------------------
+async def test_redis_limits_are_shared_by_gateways_and_awaited(tiny_base):
+    key = f"sk-{secrets.token_hex(8)}"
+    a, _ = gateway(tiny_base, keys=[key], redis_url=REDIS, requests_per_minute=3, output_tokens_per_minute=60)
+    b, _ = gateway(tiny_base, keys=[key], redis_url=REDIS, requests_per_minute=3, output_tokens_per_minute=60)
+    assert isinstance(a.limiter, RedisRateLimiter)
+    body = {"model": "m", "prompt": "hi", "max_tokens": 4}
+    async with client(a, key) as ca, client(b, key) as cb:
+        statuses = [(await c.post("/v1/completions", json=body)).status_code for c in (ca, cb, ca, cb)]
+        await asyncio.gather(*a._settling, *b._settling)  # reservations are settled in tasks of their own
+    assert statuses == [200, 200, 200, 429]
+    assert a.limiter.down_since is None and b.limiter.down_since is None  # Redis answered every call
+    import redis
+
+    r = redis.Redis.from_url(REDIS)
+    level = float(r.hget(f"{RedisRateLimiter.PREFIX}{digest(key)}:output_tokens", "level"))
+    # 3 requests reserved 4 tokens each and generated 2: settled, 6 were taken (plus 1 a second back by the refill);
+    # unsettled, the bucket would hold 48 plus the refill
+    assert level >= 53.5
+
+
+async def test_a_silent_redis_holds_no_other_request(tiny_base):
+    """A Redis that accepts connections and never answers: each limiter call waits its socket timeout (0.5 s),
+    then the gateway serves on its own buckets. The loop is never held meanwhile."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections complete in the kernel's backlog; nothing reads them
+    try:
+        gw, _ = gateway(tiny_base, redis_url=f"redis://127.0.0.1:{silent.getsockname()[1]}/0", requests_per_minute=100)
+        async with client(gw) as c, Ticker() as ticker:
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+    finally:
+        silent.close()
+    assert r.status_code == 200 and gw.limiter.down_since is not None
+    assert ticker.gap < 0.25, f"the event loop stalled {ticker.gap:.2f} s on Redis"
+
+
+# ---- what one answer may hold -------------------------------------------------------------------------------------
+async def test_a_non_streamed_answer_is_bounded(tiny_base):
+    gw, backend = gateway(tiny_base)
+    many = {"model": "m", "messages": HI, "n": 16, "max_tokens": 4000, "logprobs": True, "top_logprobs": 20}
+    async with client(gw) as c:
+        e = error(await c.post("/v1/chat/completions", json=many))
+        assert e["param"] == "max_tokens" and e["code"] == "response_too_large"
+        assert "1344000" in e["message"] and "limits.max_unstreamed_tokens" in e["message"] and "stream" in e["message"]
+        unset = {"model": "m", "messages": HI, "n": 16, "logprobs": True, "top_logprobs": 20}
+        assert "max_tokens unset" in error(await c.post("/v1/chat/completions", json=unset))["message"]
+        assert not backend.requests
+        r = await c.post("/v1/chat/completions", json=many | {"stream": True})  # streamed: nothing is held
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        r = await c.post("/v1/chat/completions", json=many | {"max_tokens": 390})  # 16 x 390 x 21 = 131,040: at the bound
+        assert r.status_code == 200 and len(r.json()["choices"]) == 16
+
+
+# ---- small hostile inputs -----------------------------------------------------------------------------------------
+NESTED = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a\udfffb"}]}]},
+     "messages.0.content.0.text"),
+    ("/v1/completions", {"prompt": "\udc00"}, "prompt"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("/v1/chat/completions", {"messages": HI, "logit_bias": {"\u00b2": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u0661": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": {"x": json.loads("[" * 500 + "]" * 500)}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": HI, "structured_outputs": {"json_object": False}}, "structured_outputs"),
+    ("/v1/chat/completions", {"messages": HI, "structured_outputs": {"grammar": "  "}}, "structured_outputs"),
+])
+async def test_small_hostile_inputs_are_400_naming_the_field(tiny_base, route, body, param):
+    gw, backend = gateway(tiny_base)
+    async with client(gw) as c:
+        body = ({"model": "m"} if route.startswith("/v1") else {}) | body
+        e = error(await c.post(route, content=json.dumps(body)))  # ASCII JSON: a surrogate stays a \\u escape
+    assert e["param"] == param, e
+    assert not backend.requests
+
+
+async def test_a_body_nested_past_the_parser_is_a_400(tiny_base):
+    gw, _ = gateway(tiny_base)
+    async with client(gw) as c:
+        for route in ("/v1/chat/completions", "/tokenize"):
+            e = error(await c.post(route, content=b'{"model": "m", "messages": ' + NESTED.encode() + b"}"))
+            assert e["code"] == "invalid_json" and "too deeply" in e["message"]
+        # a surrogate pair is one character (U+1F600), not a lone surrogate
+        r = await c.post("/v1/completions", content=b'{"model": "m", "prompt": "\\ud83d\\ude00 hi", "max_tokens": 1}')
+        assert r.status_code == 200, r.text
+
+
+# ---- structured output at the edge ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("fields, param", [
+    ({"structured_outputs": {"grammar": 'root ::= "a"\nroot ::= "b"'}}, "structured_outputs"),  # vLLM #43920's
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a\x00b"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": NESTED}}, "structured_outputs"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}}}},
+     "response_format.json_schema.schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}], "tool_choice": "required"}, "tools"),
+])
+async def test_a_malformed_constraint_never_reaches_the_engine(tiny_base, fields, param):
+    gw, backend = gateway(tiny_base)
+    async with client(gw) as c:
+        for stream in (False, True):
+            e = error(await c.post("/v1/chat/completions", json={"model": "m", "messages": HI, "stream": stream} | fields))
+            assert e["param"] == param and "xgrammar" in e["message"], e
+    assert not backend.requests
+
+
+async def test_a_valid_constraint_is_forwarded(tiny_base):
+    gw, backend = gateway(tiny_base)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    async with client(gw) as c:
+        for fields in ({"structured_outputs": {"regex": "[0-9]{3}-[a-c]{2}"}}, {"structured_outputs": {"choice": ["yes", "no"]}},
+                       {"structured_outputs": {"grammar": 'root ::= "a" | "b"'}},
+                       {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}):
+            r = await c.post("/v1/chat/completions", json={"model": "m", "messages": HI, "max_tokens": 2} | fields)
+            assert r.status_code == 200, r.text
+    assert [sorted(q.sampling.structured) for q in backend.requests] == [["regex"], ["choice"], ["grammar"], ["json"]]
+
+
+async def test_an_engine_that_fails_a_request_is_a_500_not_a_finish_reason():
+    """vLLM ends a request it failed in the engine core (a grammar that did not compile there, #43920) with
+    finish_reason "error"; its own server answers 500. So does the backend here; logprobs of -inf are floored."""
+    class LLM:
+        async def generate(self, prompt, params, request_id, priority=0):
+            yield NS(outputs=[NS(index=0, text="", token_ids=[], finish_reason="error", logprobs=None)], metrics=None)
+
+    engine = VLLMEngine("decode", "m", "m", {}, warmup=False)
+    engine.llm = LLM()
+    with pytest.raises(BackendError, match="failed request r1"):
+        async for _ in engine.generate(GenerateRequest("r1", [1, 2], SamplingOptions(max_tokens=2))):
+            pass
+    entry = {5: NS(logprob=float("-inf"), decoded_token="a", rank=1)}
+    assert _logprobs([5], [entry], 1)[0].logprob == -9999.0
+
+
+# ---- OpenAI's shapes ---------------------------------------------------------------------------------------------
+async def test_chat_answers_carry_openais_required_refusal_fields(tiny_base):
+    gw, _ = gateway(tiny_base)
+    body = {"model": "m", "messages": HI, "max_tokens": 2, "logprobs": True, "top_logprobs": 2}
+    async with client(gw) as c:
+        whole = (await c.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        events = (await c.post("/v1/chat/completions", json=body | {"stream": True})).text.split("\n\n")
+    assert whole["message"] == {"role": "assistant", "content": "xx", "refusal": None}
+    assert whole["logprobs"]["refusal"] is None and len(whole["logprobs"]["content"]) == 2
+    chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
+    assert all(c["choices"][0]["logprobs"]["refusal"] is None for c in chunks[1:])

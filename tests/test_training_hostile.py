@@ -1,0 +1,252 @@
+"""Hostile input and operations against the distillation job service, in process (its FastAPI app over httpx, the
+worker loop not started, so no job runs): API keys and per-key objects, which models a job may name and when they
+are fetched, bounded and deeply nested bodies, a run folder's state file holding pickled code, OpenAI's event types,
+and the chart's listen address and keys."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from services.training.api import event_object
+from services.training.service import TrainerSettings, create_app
+from swiftkv_core.distill import STATE_FILE, DistillConfig, DistillError, distill
+from test_training import MODEL, QUICK, records
+
+KEY_A, KEY_B = "sk-trainer-a", "sk-trainer-b"
+DEEP = 100_000  # nesting levels: past any recursion limit of Python's JSON parser
+
+
+@pytest.fixture
+def make_app(tmp_path, tiny_base, monkeypatch):
+    """An app factory: the trainer over tmp_path, the tiny model offered as MODEL in its models directory."""
+    for name in ("SWIFTKV_API_KEYS", "SWIFTKV_API_KEYS_FILE", "SWIFTKV_TRAINER_HOST", "SWIFTKV_TRAINER_ALLOWED_MODELS"):
+        monkeypatch.delenv(name, raising=False)
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / MODEL).symlink_to(tiny_base, target_is_directory=True)
+    apps = []
+
+    def make(**settings):
+        apps.append(create_app(TrainerSettings(data_dir=str(tmp_path / "data"), models_dir=str(models), **settings)))
+        return apps[-1]
+
+    yield make
+    for app in apps:
+        app.state.service.io.close()
+        app.state.service.store.close()
+
+
+def client(app, key: str | None = None) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://trainer", headers=headers, timeout=60)
+
+
+async def upload(c: httpx.AsyncClient, content: bytes | None = None) -> str:
+    r = await c.post("/v1/files", files={"file": ("train.jsonl", records() if content is None else content)}, data={"purpose": "fine-tune"})
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
+
+
+def job(model: str = MODEL, training_file: str = "file-missing", **hp) -> dict:
+    return {"model": model, "training_file": training_file,
+            "method": {"type": "distillation", "distillation": {"hyperparameters": {**QUICK, **hp}}}}
+
+
+def refused(r: httpx.Response, status: int, param: str | None = "unset") -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    if param != "unset":
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+# ---- 1. the gateway's keys: 401 without one, every object scoped to its key -------------------------------------
+async def test_keys_are_required_and_each_key_sees_only_its_own(make_app, monkeypatch):
+    monkeypatch.setenv("SWIFTKV_API_KEYS", f"{KEY_A},{KEY_B}")  # the gateway's variable
+    app = make_app()
+    async with client(app) as anon, client(app, "sk-wrong") as wrong, client(app, KEY_A) as a, client(app, KEY_B) as b:
+        routes = [("post", "/v1/files"), ("get", "/v1/files/file-x"), ("get", "/v1/files/file-x/content"),
+                  ("post", "/v1/fine_tuning/jobs"), ("get", "/v1/fine_tuning/jobs"), ("get", "/v1/fine_tuning/jobs/ftjob-x"),
+                  ("get", "/v1/fine_tuning/jobs/ftjob-x/events"), ("get", "/v1/fine_tuning/jobs/ftjob-x/checkpoints"),
+                  ("post", "/v1/fine_tuning/jobs/ftjob-x/cancel"), ("post", "/v1/fine_tuning/jobs/ftjob-x/pause"),
+                  ("post", "/v1/fine_tuning/jobs/ftjob-x/resume")]
+        for c in (anon, wrong):
+            for method, path in routes:
+                assert refused(await c.request(method, path), 401)["code"] == "invalid_api_key", (method, path)
+        assert (await anon.get("/health")).status_code == 200 and (await anon.get("/metrics")).status_code == 200
+        doc = (await anon.get("/openapi.json")).json()
+        assert doc["security"] == [{"bearer": []}] and doc["paths"]["/health"]["get"]["security"] == []
+
+        file_id = await upload(a)
+        r = await a.post("/v1/fine_tuning/jobs", json=job(training_file=file_id))
+        assert r.status_code == 200, r.text
+        job_id = r.json()["id"]
+        # Key B: A's job, its events and checkpoints, A's file do not exist; nor may B train on A's file.
+        for path in (f"/v1/fine_tuning/jobs/{job_id}", f"/v1/fine_tuning/jobs/{job_id}/events",
+                     f"/v1/fine_tuning/jobs/{job_id}/checkpoints", f"/v1/files/{file_id}", f"/v1/files/{file_id}/content"):
+            refused(await b.get(path), 404)
+            assert (await a.get(path)).status_code == 200, path
+        for verb in ("pause", "resume", "cancel"):
+            refused(await b.post(f"/v1/fine_tuning/jobs/{job_id}/{verb}"), 404)
+        assert (await b.get("/v1/fine_tuning/jobs")).json()["data"] == []
+        assert [j["id"] for j in (await a.get("/v1/fine_tuning/jobs")).json()["data"]] == [job_id]
+        assert refused(await b.post("/v1/fine_tuning/jobs", json=job(training_file=file_id)), 400, "training_file")["code"] == "file_not_found"
+        assert (await a.get(f"/v1/fine_tuning/jobs/{job_id}")).json()["status"] == "validating_files", "B's cancel did nothing"
+
+
+def test_default_listen_address_is_loopback(monkeypatch):
+    monkeypatch.delenv("SWIFTKV_TRAINER_HOST", raising=False)
+    assert TrainerSettings().host == "127.0.0.1"
+
+
+def test_chart_listens_on_all_addresses_with_the_gateways_keys():
+    from test_deploy import find, render
+
+    c = find(render(None, "--set", "apiKeys.keys[0]=sk-one", "--set", "trainer.allowedModels[0]=meta-llama/*"),
+             "Deployment", "trainer")[0]["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in c["containers"][0]["env"]}
+    assert env["SWIFTKV_TRAINER_HOST"] == "0.0.0.0" and env["SWIFTKV_TRAINER_ALLOWED_MODELS"] == "meta-llama/*"
+    mounts = {m["mountPath"]: m["name"] for m in c["containers"][0]["volumeMounts"]}
+    keys_dir, keys_file = env["SWIFTKV_API_KEYS_FILE"].rsplit("/", 1)
+    secret = {v["name"]: v.get("secret") for v in c["volumes"]}[mounts[keys_dir]]
+    assert secret == {"secretName": "swiftkv-api-keys"} and keys_file == "keys.txt"  # the Secret the gateway reads
+    assert env["HF_HOME"].startswith("/models/"), "hub downloads go to the models volume, not the pod's /tmp"
+    plain = find(render(), "Deployment", "trainer")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert "SWIFTKV_API_KEYS_FILE" not in {e["name"] for e in plain["env"]}
+
+
+# ---- 2. models: only the models directory, prepared names and allowed hub ids; fetched last ---------------------
+async def test_model_is_fetched_only_for_a_valid_request_and_only_if_allowed(make_app, tiny_base, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from swiftkv_core import models
+
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda name, **kw: fetched.append(name) or str(tiny_base))
+    monkeypatch.setattr(models, "prepare", lambda name, models_dir: fetched.append(name) or tiny_base)
+    app = make_app(allowed_models=["allowed-org/*"])
+    async with client(app) as c:
+        file_id = await upload(c)
+        P = "method.distillation.hyperparameters"
+        for model in ("allowed-org/llama", "smollm2-135m-instruct"):  # each would be downloaded or built
+            refused(await c.post("/v1/fine_tuning/jobs", json=job(model, file_id, loss="mse")), 400, f"{P}.loss")
+            refused(await c.post("/v1/fine_tuning/jobs", json=job(model, "file-missing")), 400, "training_file")
+            refused(await c.post("/v1/fine_tuning/jobs", json={**job(model, file_id), "seed": -1}), 400, "seed")
+        assert fetched == [], "nothing fetched for a refused request"
+        outside = tmp_path / "elsewhere"
+        outside.symlink_to(tiny_base, target_is_directory=True)
+        for model in ("other-org/llama", str(tiny_base), str(outside), f"../{outside.name}", "/etc", "a/b/c", ".", "x\u0000"):
+            error = refused(await c.post("/v1/fine_tuning/jobs", json=job(model, file_id)), 400, "model")
+            assert MODEL in error["message"] and "allowed-org/*" in error["message"], error  # what is allowed
+        assert fetched == []
+        for model in (MODEL, str(tmp_path / "models" / MODEL)):  # by name, or by its path in the models directory
+            assert (await c.post("/v1/fine_tuning/jobs", json=job(model, file_id))).status_code == 200
+        assert fetched == []
+        r = await c.post("/v1/fine_tuning/jobs", json=job("allowed-org/llama", file_id))
+        assert r.status_code == 200 and fetched == ["allowed-org/llama"], r.text
+    async with client(make_app()) as c:  # by default no hub id is allowed
+        error = refused(await c.post("/v1/fine_tuning/jobs", json=job("allowed-org/llama", file_id)), 400, "model")
+        assert "allowed_models: none" in error["message"] and fetched == ["allowed-org/llama"]
+
+
+# ---- 3. request bodies are bounded ----------------------------------------------------------------------------
+async def test_a_body_past_max_body_bytes_is_a_413(make_app):
+    app = make_app(max_body_bytes=4096)
+    big = json.dumps({**job(), "metadata": {"k": "x" * 8000}}).encode()
+    async with client(app) as c:
+        error = refused(await c.post("/v1/fine_tuning/jobs", content=big, headers={"content-type": "application/json"}), 413)
+        assert "4096" in error["message"] and "max_body_bytes" in error["message"] and error["code"] == "request_too_large"
+
+        async def chunked():  # no Content-Length: counted as it arrives
+            for i in range(0, len(big), 1000):
+                yield big[i:i + 1000]
+
+        r = await c.post("/v1/fine_tuning/jobs", content=chunked(), headers={"content-type": "application/json"})
+        assert "4096" in refused(r, 413)["message"]
+        assert refused(await c.post("/v1/fine_tuning/jobs", json=job()), 400, "training_file"), "a body within the bound is read"
+
+
+# ---- 4. JSON nested past the parser's recursion limit is a 400 -------------------------------------------------
+async def test_deeply_nested_json_is_a_400(make_app):
+    deep = "[" * DEEP + "]" * DEEP
+    async with client(make_app()) as c:
+        for body in (deep, '{"model": ' + deep + "}"):
+            error = refused(await c.post("/v1/fine_tuning/jobs", content=body, headers={"content-type": "application/json"}), 400)
+            assert error["code"] == "invalid_json"
+        nested_line = ('{"text": "ok", "extra": ' + deep + "}\n").encode()
+        file_id = await upload(c, records(3) + nested_line)
+        error = refused(await c.post("/v1/fine_tuning/jobs", json=job(training_file=file_id)), 400, "training_file")
+        assert "line 4" in error["message"] and error["code"] == "invalid_file_format"
+
+
+async def test_unreadable_result_files_fail_the_job(make_app, tmp_path):
+    """eval.json / summary.json are the job process's; one that is not a JSON object fails its job, naming it."""
+    app = make_app()
+    service = app.state.service
+    async with client(app) as c:
+        r = await c.post("/v1/fine_tuning/jobs", json=job(str(tmp_path / "models" / MODEL), await upload(c)))
+        job_id = r.json()["id"]
+        service.store.update_job(job_id, status="running")
+        (service.worker.run_dir(job_id) / "eval.json").write_text("[" * DEEP + "]" * DEEP)
+        service.worker._finish(service.store.get_job(None, job_id), service.worker.run_dir(job_id))
+        done = (await c.get(f"/v1/fine_tuning/jobs/{job_id}")).json()
+    assert done["status"] == "failed" and "eval.json" in done["error"]["message"], done
+
+
+# ---- 5. a state file holding pickled code is refused, not run -------------------------------------------------
+def test_a_state_file_with_pickled_code_is_refused_not_run(tiny_base, tmp_path):
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.mkdir, (str(marker),)
+
+    out = tmp_path / "run"
+    out.mkdir()
+    torch.save({"step": 1, "trainable": {}, "payload": Payload()}, out / STATE_FILE)
+    (tmp_path / "train.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    cfg = DistillConfig(base=str(tiny_base), out=str(out), data=str(tmp_path / "train.txt"), num_key_value_layers=4,
+                        max_steps=2, batch_size=1, seq_len=16, precision="fp32", progress=False)
+    with pytest.raises(DistillError, match="not loaded"):
+        distill(cfg)
+    assert not marker.exists()
+
+
+# ---- 6. events use OpenAI's types only ------------------------------------------------------------------------
+async def test_checkpoint_events_are_openai_messages(make_app, tmp_path):
+    app = make_app(checkpoint_every=2, events_every=1)
+    service = app.state.service
+    async with client(app) as c:
+        r = await c.post("/v1/fine_tuning/jobs", json=job(str(tmp_path / "models" / MODEL), await upload(c), n_steps=2))
+        job_id = r.json()["id"]
+        run_dir = service.worker.run_dir(job_id)
+        (run_dir / "out").mkdir()
+        (run_dir / "out" / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s, "tokens": 64 * s, "tok_s": 10.0}) + "\n"
+                                                               for s in (1, 2)))
+        (run_dir / "out" / STATE_FILE).write_bytes(b"")
+        service.worker._progress(service.store.get_job(None, job_id), run_dir)
+        events = (await c.get(f"/v1/fine_tuning/jobs/{job_id}/events", params={"limit": 100})).json()["data"]
+    assert {e["type"] for e in events} == {"message", "metrics"}
+    saved = [e for e in events if e["message"] == "Checkpoint saved at step 2"]
+    assert [e["type"] for e in saved] == ["message"] and saved[0]["data"] == {"step": 2, "fine_tuned_model_checkpoint": f"{job_id}:step-2"}
+    legacy = {"id": "ftevent-x", "created_at": 0, "level": "info", "message": "Checkpoint saved at step 2", "type": "checkpoint", "data": {}}
+    assert event_object(legacy)["type"] == "message"  # a row an older version stored
+
+
+async def test_odd_ids_cursors_and_metadata_are_4xx(make_app):
+    """Ids no service hands out (a NUL is a 500 on PostgreSQL if it reaches the store) name nothing; a cursor that
+    is not an id and metadata outside OpenAI's bounds are 400s naming the field."""
+    async with client(make_app()) as c:
+        for path in ("/v1/files/file%00x", "/v1/files/file%00x/content", "/v1/fine_tuning/jobs/ftjob%00x",
+                     "/v1/fine_tuning/jobs/ftjob%00x/events", "/v1/fine_tuning/jobs/" + "x" * 65):
+            refused(await c.get(path), 404)
+        refused(await c.get("/v1/fine_tuning/jobs", params={"after": "ftjob\x00"}), 400, "after")
+        refused(await c.post("/v1/fine_tuning/jobs", json=job(training_file="file\x00x")), 400, "training_file")
+        refused(await c.post("/v1/fine_tuning/jobs", json={**job(), "metadata": {"k": 1}}), 400, "metadata.k")
