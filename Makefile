@@ -58,6 +58,9 @@ $(GUIDELLM_STAMP):
 test: setup
 	$(VENV)/bin/pytest -x -q --timeout=1200 tests
 
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
 test-fast: setup
 	$(VENV)/bin/pytest -x -q -m "not slow and not smollm2" tests
 

@@ -33,9 +33,24 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from loadtest.platform_bench import (CONFIGS, DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN,
-                               PUBLIC, ROOT, PlatformBenchConfig, PlatformBenchError, drive, engine_args, existing,
-                               figures, machine, pct, r4, serve, warm_up)
+from loadtest.platform_bench import (
+    CONFIGS,
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_MAX_MODEL_LEN,
+    PUBLIC,
+    ROOT,
+    PlatformBenchConfig,
+    PlatformBenchError,
+    drive,
+    engine_args,
+    existing,
+    figures,
+    machine,
+    pct,
+    r4,
+    serve,
+    warm_up,
+)
 from loadtest.workloads import ARRIVALS, WorkloadError, fixed
 
 GUIDELLM = ROOT / ".tools" / "guidellm" / "bin" / "guidellm"

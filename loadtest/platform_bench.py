@@ -26,7 +26,6 @@ Run it as `swiftkv bench platform ...` or `python -m loadtest.platform_bench ...
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import signal

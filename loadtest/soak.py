@@ -46,9 +46,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from loadtest.platform_bench import (CONFIGS, DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN,
-                                     PUBLIC, PlatformBenchConfig, PlatformBenchError, Record, drive, engine_args, existing,
-                                     machine, model_names, pct, r4, started, warm_up)
+from loadtest.platform_bench import (
+    CONFIGS,
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_MAX_MODEL_LEN,
+    PUBLIC,
+    PlatformBenchConfig,
+    PlatformBenchError,
+    Record,
+    drive,
+    engine_args,
+    existing,
+    machine,
+    model_names,
+    pct,
+    r4,
+    started,
+    warm_up,
+)
 from loadtest.workloads import WORKLOADS, WorkloadError, generate, summary
 
 MIB = 1 << 20

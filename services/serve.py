@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Annotated, Literal, Optional
+from urllib.parse import urlsplit, urlunsplit
 
 import typer
 from pydantic import ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from swiftkv_core.cli import fail
+
+from .logs import FORMATS, LEVELS, Logs
+
+log = logging.getLogger("swiftkv.serve")
 
 
 class ServeSettings(BaseSettings):
@@ -26,6 +33,8 @@ class ServeSettings(BaseSettings):
     port: Optional[int] = None
     api_keys_file: Optional[str] = None
     log_level: str = "info"
+    log_format: str = "text"
+    log_file: Optional[str] = None
     ray_metrics_port: int = 8080
     data_dir: Optional[str] = None
     database_url: Optional[str] = None
@@ -67,8 +76,9 @@ def _check_machine(cfg, engine: str) -> None:
 
 
 def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str | None = None, ray_metrics_port: int = 8080,
-                 workers: int = 1) -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                 workers: int = 1, log_format: str = "text", log_file: str | None = None) -> None:
+    """`log_file`: where engine and library logs go (default: data_dir/logs/serve.log; "-": the console)."""
+    logs = Logs.start(log_level, log_format, capture=log_file != "-")
     _check_machine(cfg, engine)
     # The command-line flag wins over SWIFTKV_API_KEYS_FILE, which wins over the config's api_keys_file.
     keys_file = api_keys_file or os.environ.get("SWIFTKV_API_KEYS_FILE") or cfg.api_keys_file
@@ -76,13 +86,17 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
     batch = _batch_service(cfg)  # before any engine or Ray cluster starts: a bad store fails fast
     if workers > 1:
         batch.store.close()  # each worker opens its own
-        return _run_workers(cfg, engine, log_level, keys_file, ray_metrics_port, workers)
+        return _run_workers(cfg, engine, logs, log_file, keys_file, ray_metrics_port, workers)
+    _capture(logs, cfg, log_file)
     if engine == "ray":
         from services.serving.ray_backend import start_ray
 
         start_ray(cfg.ray_address, ray_metrics_port, deploy=any(p.backend == "engine" and not p.ray_app for p in cfg.pools.values()))
-        typer.echo(f"Ray Serve up; engine metrics at http://127.0.0.1:{ray_metrics_port}/metrics (as ray_vllm_*) and on "
-                   "the gateway's /metrics (as vllm:*)" if not cfg.ray_address else "joined Ray cluster")
+        if cfg.ray_address:
+            log.info("joined the Ray cluster at %s", cfg.ray_address)
+        else:
+            log.info("Ray Serve up; engine metrics at http://127.0.0.1:%d/metrics (as ray_vllm_*) and on the gateway's /metrics "
+                     "(as vllm:*)", ray_metrics_port)
     try:
         _serve(cfg, engine, keys_file, batch, ray_metrics_port if engine == "ray" and not cfg.ray_address else None)
     finally:
@@ -90,6 +104,7 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
             from services.serving.ray_backend import stop_ray
 
             stop_ray(started_local_cluster=not cfg.ray_address)
+    log.info("stopped")
 
 
 def _keys(keys_file: str | None):
@@ -125,33 +140,46 @@ def _serve(cfg, engine: str, keys_file: str | None, batch, ray_metrics_port: int
     def on_ready() -> None:
         if worker:  # said once, by worker 0
             return
-        typer.secho(f"SwiftKV is serving {cfg.model} (pools: {', '.join(cfg.pools)}) at http://{cfg.host}:{cfg.port}/v1", fg=typer.colors.GREEN)
-        typer.echo("Try:\n  curl -s http://%s:%d/v1/chat/completions -H 'Content-Type: application/json'%s \\\n"
-                   "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'"
-                   % (cfg.host, cfg.port, key_hint, cfg.model))
+        log.info("SwiftKV is serving %s (pools: %s) at http://%s:%d/v1\n"
+                 "Try:\n  curl -s http://%s:%d/v1/chat/completions -H 'Content-Type: application/json'%s \\\n"
+                 "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'",
+                 cfg.model, ", ".join(cfg.pools), cfg.host, cfg.port, cfg.host, cfg.port, key_hint, cfg.model)
 
     gateway = Gateway(cfg, backends, prompter, keys, on_ready=on_ready, extra_metrics=extra_metrics)
     batch.attach(gateway)
     app = create_app(gateway, extensions=[batch], worker_header=worker is not None)
-    # uvicorn drains on SIGTERM, then raises the signal again for the handler it found: an ignoring one
-    # makes a drained shutdown exit 0 (what Kubernetes expects of a pod it stopped), not -15.
+    # uvicorn drains on SIGTERM and SIGINT, then raises the signal again for the handler it found: an ignoring
+    # one makes a drained shutdown exit 0 (what Kubernetes expects of a pod it stopped, and Ctrl-C in a terminal),
+    # not -15 or a KeyboardInterrupt.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    if sock is not None:
-        signal.signal(signal.SIGINT, lambda *_: None)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False, http=edge_protocol(cfg.limits),
+    signal.signal(signal.SIGINT, lambda *_: None)
+    # log_config=None: uvicorn's records go through the root logger's handlers (console or log file)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False, http=edge_protocol(cfg.limits),
+                            log_level="debug" if logging.getLogger().isEnabledFor(logging.DEBUG) else "warning",
                             timeout_keep_alive=cfg.limits.keep_alive_seconds, timeout_graceful_shutdown=cfg.health.shutdown_grace_seconds)
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            if worker is None:  # with several workers, their supervisor says so
+                log.info("stopping: the requests in flight get up to %.0f s, then the engines stop", cfg.health.shutdown_grace_seconds)
+            await super().shutdown(sockets)
+
+    server = Server(config)
     server.run(sockets=None if sock is None else [sock])
+    # gateway.start froze everything loaded at start-up out of the cyclic GC's reach: collect it now, while the
+    # modules are intact, or Triton's bindings report "leaked" objects as the interpreter exits
+    gc.unfreeze()
+    gc.collect()
     if not server.started:  # e.g. the port is taken: uvicorn has logged why
         raise SystemExit(3)
 
 
-def _serve_worker(index: int, sock, cfg_data: dict, engine: str, log_level: str, keys_file: str | None,
+def _serve_worker(index: int, sock, cfg_data: dict, engine: str, logs: Logs, keys_file: str | None,
                   ray_metrics_port: int | None) -> None:
     """A worker process of `--workers N` (started by services.workers.Supervisor)."""
     from services.serving.config import PlatformConfig
 
-    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s [worker {index}]: %(message)s")
+    logs.configure(worker=index)
     cfg = PlatformConfig.model_validate(cfg_data)
     if engine == "ray":
         from services.serving.ray_backend import start_ray
@@ -160,7 +188,7 @@ def _serve_worker(index: int, sock, cfg_data: dict, engine: str, log_level: str,
     _serve(cfg, engine, keys_file, _batch_service(cfg), ray_metrics_port, sock=sock, worker=index)
 
 
-def _run_workers(cfg, engine: str, log_level: str, keys_file: str | None, ray_metrics_port: int, workers: int) -> None:
+def _run_workers(cfg, engine: str, logs: Logs, log_file: str | None, keys_file: str | None, ray_metrics_port: int, workers: int) -> None:
     """`--workers N`: bind the port, deploy Ray pools once (each worker attaches to them), supervise N gateways."""
     from services.workers import Supervisor, bind
 
@@ -175,6 +203,7 @@ def _run_workers(cfg, engine: str, log_level: str, keys_file: str | None, ray_me
         sock = bind(cfg.host, cfg.port)
     except OSError as e:
         fail(f"cannot listen on {cfg.host}:{cfg.port}: {e}")
+    _capture(logs, cfg, log_file)
     data = cfg.model_dump(mode="json")
     deployed: list[str] = []
     local_cluster = engine == "ray" and not cfg.ray_address
@@ -182,7 +211,7 @@ def _run_workers(cfg, engine: str, log_level: str, keys_file: str | None, ray_me
         deployed = _deploy_ray_pools(cfg, data, ray_metrics_port)
     code = 1
     try:
-        code = Supervisor(_serve_worker, (data, engine, log_level, keys_file, ray_metrics_port if local_cluster else None),
+        code = Supervisor(_serve_worker, (data, engine, logs, keys_file, ray_metrics_port if local_cluster else None),
                           workers, sock, cfg.health.shutdown_grace_seconds).run()
     finally:
         if engine == "ray":
@@ -196,7 +225,17 @@ def _run_workers(cfg, engine: str, log_level: str, keys_file: str | None, ray_me
                 except Exception:
                     pass
             stop_ray(started_local_cluster=local_cluster)
+    if code == 0:
+        log.info("stopped")
+    else:
+        log.warning("stopped; a worker did not stop cleanly")
     raise typer.Exit(code)
+
+
+def _capture(logs: Logs, cfg, log_file: str | None) -> None:
+    """Engine and library logs go to the log file from here on (the checks that refuse to start have spoken)."""
+    if log_file != "-":
+        logs.capture(Path(log_file) if log_file else Path(cfg.data_dir).expanduser() / "logs" / "serve.log")
 
 
 def _deploy_ray_pools(cfg, data: dict, ray_metrics_port: int) -> list[str]:
@@ -213,6 +252,7 @@ def _deploy_ray_pools(cfg, data: dict, ray_metrics_port: int) -> list[str]:
     deployed = []
     for name, pool in ours.items():
         app = f"swiftkv-{name}"
+        logging.getLogger("swiftkv.workers").info("pool %s: deploying Ray Serve application %s (each replica starts its engine)", name, app)
         try:  # returns once the initial replicas passed their constructor (warm-up included)
             serve.run(build_deployment(name, pool, cfg.served_name(name)), name=app, route_prefix=None)
         except Exception:
@@ -230,7 +270,18 @@ def _batch_service(cfg):
     try:
         return BatchService(cfg)
     except (SQLAlchemyError, OSError, ImportError, ValueError) as e:
-        fail(f"batch store ({cfg.database_url or cfg.data_dir}): {e}")
+        url = cfg.database_url
+        where = hide_password(url) if url else cfg.data_dir
+        fail(f"batch store ({where}): {str(e).replace(url, where) if url else e}")
+
+
+def hide_password(url: str) -> str:
+    """`url` with its password (user:PASSWORD@, ?password=) replaced by ***, for messages and logs; works on
+    URLs that SQLAlchemy or Redis would refuse to parse."""
+    parts = urlsplit(url)
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}" if ":" in userinfo else parts.netloc
+    return urlunsplit(parts._replace(netloc=netloc, query=re.sub(r"(?i)\bpassword=[^&]*", "password=***", parts.query)))
 
 
 def serve_command(
@@ -245,6 +296,12 @@ def serve_command(
     ray_address: Annotated[Optional[str], typer.Option(help="Ray cluster (GCS address, e.g. head:6379) to join with --engine ray (also SWIFTKV_RAY_ADDRESS); default: the config's, else a local cluster")] = None,
     workers: Annotated[Optional[int], typer.Option(min=1, help="Gateway processes on the one port (also SWIFTKV_WORKERS; default: the config's "
                                                    "workers, 1), for pools on Ray or remote servers, which every worker shares")] = None,
+    log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning or error (also SWIFTKV_LOG_LEVEL; default info). "
+                                                     "debug also shows engine and library logs on the console")] = None,
+    log_format: Annotated[Optional[str], typer.Option(help="text, or json: one JSON object per console line, for log collectors "
+                                                      "(also SWIFTKV_LOG_FORMAT)")] = None,
+    log_file: Annotated[Optional[str], typer.Option(help="Where engine and library logs go (also SWIFTKV_LOG_FILE; default "
+                                                    "DATA_DIR/logs/serve.log); - keeps them on the console")] = None,
 ) -> None:
     """Run the OpenAI-compatible gateway and its engine pools."""
     from services.serving.config import load_config
@@ -253,6 +310,7 @@ def serve_command(
     engine = engine or settings.engine
     if engine not in ("ray", "inprocess"):
         fail(f"--engine must be 'ray' or 'inprocess', not {engine!r}")
+    log_level, log_format = _log_options(log_level or settings.log_level, log_format or settings.log_format)
     config = config or settings.config
     if config is not None and not Path(config).exists():
         fail(f"config file {config} does not exist")
@@ -264,7 +322,10 @@ def serve_command(
                                    "redis_url": redis_url or settings.redis_url or None,
                                    "ray_address": ray_address or settings.ray_address or None,
                                    "workers": workers or settings.workers or None})
-    except (ValidationError, ValueError) as e:
+    except ValidationError as e:  # not str(e): it repeats the input, store URLs and their passwords included
+        fail(f"invalid config {config or '(default)'}: "
+             + "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors()))
+    except ValueError as e:
         fail(f"invalid config {config or '(default)'}: {e}")
     attached = [f"pools.{name}.ray_app" for name, pool in cfg.pools.items() if pool.ray_app]
     if attached and engine != "ray":
@@ -281,7 +342,17 @@ def serve_command(
     if config is None:
         default_models(cfg, prepare=False)
     _check_models(cfg)
-    run_platform(cfg, engine, settings.log_level, api_keys_file or settings.api_keys_file, settings.ray_metrics_port, cfg.workers)
+    run_platform(cfg, engine, log_level, api_keys_file or settings.api_keys_file, settings.ray_metrics_port, cfg.workers, log_format,
+                 log_file or settings.log_file or None)
+
+
+def _log_options(level: str, fmt: str) -> tuple[str, str]:
+    level, fmt = level or "info", fmt or "text"  # SWIFTKV_LOG_LEVEL= in a pod spec means unset, like the other variables
+    if level.lower() not in LEVELS:
+        fail(f"--log-level (SWIFTKV_LOG_LEVEL) must be one of {', '.join(LEVELS)}, not {level!r}")
+    if fmt.lower() not in FORMATS:
+        fail(f"--log-format (SWIFTKV_LOG_FORMAT) must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    return level.lower(), fmt.lower()
 
 
 def demo_command(
@@ -293,7 +364,9 @@ def demo_command(
 
     cfg = load_config(None, {"port": port})
     default_models(cfg, prepare=True)
-    run_platform(cfg, engine)
+    settings = ServeSettings()
+    log_level, log_format = _log_options(settings.log_level, settings.log_format)
+    run_platform(cfg, engine, log_level, log_format=log_format, log_file=settings.log_file or None)
 
 
 def default_models(cfg, prepare: bool) -> None:

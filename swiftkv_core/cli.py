@@ -106,13 +106,13 @@ def _checked(report, *args):
         fail(str(e))
 
 
-def _print_json(data: dict) -> None:
+def print_json(data: dict) -> None:
     import json
 
     typer.echo(json.dumps(data, indent=2))
 
 
-def _print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -147,7 +147,7 @@ def analyze_flops_command(
     shape, l = _shape_and_layers(preset, model, num_key_value_layers)
     report = _checked(flops_report, shape, seq_len, l, key_value_group_size, convention)
     if json:
-        return _print_json(report)
+        return print_json(report)
     names = {"vocab": "Vocab", "kv": "K,V", "qo": "Q,O", "mlp": "MLP", "attn": "Attn."}
     rows = []
     for label, figures, total in (
@@ -155,7 +155,7 @@ def analyze_flops_command(
         (f"SwiftKV l={l} g={key_value_group_size}", report["gflops"], report["total_gflops"]),
     ):
         rows.append([label] + [f"{figures[c]:.3g}" for c in COMPONENTS] + [f"{total:.4g}", f"{total / report['baseline_total_gflops']:.1%}"])
-    _print_table(
+    print_table(
         f"{shape.name}: GFLOPs per prefill token, S={seq_len} ({convention})",
         ["Model"] + [names[c] for c in COMPONENTS] + ["Total", "Rel."],
         rows,
@@ -177,8 +177,8 @@ def analyze_kv_command(
     shape, l = _shape_and_layers(preset, model, num_key_value_layers)
     report = _checked(kv_cache_report, shape, l, key_value_group_size, kv_dtype)
     if json:
-        return _print_json(report)
-    _print_table(
+        return print_json(report)
+    print_table(
         f"{shape.name}: KV cache per token",
         ["Layout", "KV caches", "Bytes/token", "Relative", "Saving", "Capacity"],
         [
@@ -209,8 +209,8 @@ def analyze_similarity_command(
     except (OSError, ValueError) as e:
         fail(str(e))
     if json:
-        return _print_json(report)
-    _print_table(
+        return print_json(report)
+    print_table(
         f"SimScore per layer ({report['sequences']} sequences, {report['tokens']} tokens)",
         ["l", "SimScore (centered)", "SimScore (Eq. 1 raw)"],
         [[str(l), f"{s:.3f}", f"{r:.3f}"] for l, (s, r) in enumerate(zip(report["sim_scores"], report["sim_scores_raw"]))],
@@ -225,7 +225,6 @@ def register_core_commands(app: typer.Typer) -> None:
     from .vllm.bench import bench_app  # typer only; vLLM is imported when a benchmark runs
 
     bench_app.command("distill")(bench_distill_command)
-    bench_app.command("platform")(bench_platform_command)
     app.add_typer(bench_app, name="bench")
     register_training_commands(app)
 
@@ -253,7 +252,7 @@ def data_prepare_command(
                                   manpages=manpages)
     except DataError as e:
         fail(str(e))
-    _print_json(manifest["stats"])
+    print_json(manifest["stats"])
     typer.echo(str(out))
 
 
@@ -320,7 +319,7 @@ def distill_command(
     """Distill a SwiftKV model from its base (resumes if OUT holds an unfinished run)."""
     from .config import SwiftKVConfigError
     from .data import DataError
-    from .distill import DistillConfig, DistillError, distill
+    from .distill import DistillConfig, DistillError, DistillStopped, distill
     from .teacher_cache import CacheError
 
     cfg = DistillConfig(
@@ -335,6 +334,9 @@ def distill_command(
         path = distill(cfg)
     except (SwiftKVConfigError, DistillError, DataError, CacheError) as e:
         fail(str(e))
+    except DistillStopped as e:  # SIGTERM: the state is saved; the same command resumes
+        typer.echo(f"{e}: run the same command again", err=True)
+        raise typer.Exit(75)
     typer.echo(str(path))
 
 
@@ -398,78 +400,7 @@ def bench_distill_command(
     except (DataError, CacheError) as e:
         fail(str(e))
     report["load_average_1min_at_start"] = load
-    _print_json(report)
-
-
-def bench_platform_command(
-    workload: Annotated[str, typer.Option(help="rag (10:1) | chat (1:1) | gen (1:10) | mixed (70/20/10)")] = "rag",
-    rate: Annotated[list[float], typer.Option("--rate", help="Offered load, requests/s (Poisson); repeat for a sweep")] = [0.5],  # noqa: B006
-    count: Annotated[int, typer.Option(help="Requests per rate, at most")] = 100,
-    duration: Annotated[float, typer.Option(help="Arrivals per rate stop after this many seconds")] = 180.0,
-    configs: Annotated[str, typer.Option(help="Comma-separated: routed, base, swiftkv")] = "routed,base,swiftkv",
-    base_model: Annotated[Path, typer.Option(help="Base model folder")] = Path("models/smollm2-135m-instruct"),
-    swiftkv_model: Annotated[Path, typer.Option(help="SwiftKV model folder")] = Path("models/smollm2-135m-instruct-swiftkv"),
-    text: Annotated[Path, typer.Option(help="Text the prompts are cut from (`swiftkv data prepare` output)")] = Path("data/mix/heldout.jsonl"),
-    scale: Annotated[float, typer.Option(help="Multiply every prompt/output length target (e.g. 0.1 for tiny models)")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Workload seed (texts, lengths, arrivals)")] = 0,
-    ttft_slo: Annotated[float, typer.Option(help="Goodput SLO: time to first token, seconds")] = 2.0,
-    tpot_slo: Annotated[float, typer.Option(help="Goodput SLO: time per output token, seconds")] = 0.2,
-    reference_rate: Annotated[float | None, typer.Option(help="Rate of the top-level figures and the TTFT CDF (default: the highest)")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="Engine max_model_len (every engine); default: the embedded platform's, 8192")] = None,
-    dtype: Annotated[str, typer.Option(help="Engine dtype; auto: bfloat16 only on CPUs with native bf16, else float32")] = "auto",
-    kv_cache_mib: Annotated[int | None, typer.Option(help="KV-cache budget per engine, MiB (every engine); default: the embedded platform's, 1024")] = None,
-    quiet_load: Annotated[float | None, typer.Option(help="Before each configuration, wait (up to 10 minutes) for the 1-minute load average to fall below this, e.g. 1")] = None,
-    out: Annotated[Path | None, typer.Option(help="Write the report here (JSON) and the PNG plots next to it")] = None,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr")] = True,
-    target: Annotated[str | None, typer.Option(help="Drive this running OpenAI-compatible server (base URL) instead of starting --configs")] = None,
-    target_model: Annotated[str | None, typer.Option(help="With --target: the model every request asks for")] = None,
-    tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer the prompts are counted with (default: --base-model's)")] = None,
-    api_key: Annotated[str, typer.Option(envvar="SWIFTKV_BENCH_API_KEY", help="With --target: bearer key sent with every request")] = "none",
-    json: AsJson = False,
-) -> None:
-    """The whole platform under real-text traffic: routed (SwiftKV + base pools), base (2 base replicas) and
-    swiftkv (2 SwiftKV replicas), each started through `swiftkv serve`, one after the other on these cores;
-    or, with --target, a server that is already running."""
-    import json as jsonlib
-    import os
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "loadtest" / "platform_bench.py").exists():
-        fail(f"the load-test package is not next to {root / 'swiftkv_core'} (run from a source checkout)")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from loadtest.platform_bench import PlatformBenchConfig, PlatformBenchError, plot, run
-
-    cfg = PlatformBenchConfig(base_model=str(base_model), swiftkv_model=str(swiftkv_model), text=str(text), workload=workload,
-                              rates=list(rate), count=count, duration_s=duration, seed=seed, scale=scale,
-                              configs=[c.strip() for c in configs.split(",") if c.strip()], dtype=dtype, quiet_load=quiet_load,
-                              ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo,
-                              reference_rate=reference_rate, progress=progress, target=target, target_model=target_model,
-                              tokenizer=None if tokenizer is None else str(tokenizer), api_key=api_key)
-    if max_model_len is not None:
-        cfg.max_model_len = max_model_len
-    if kv_cache_mib is not None:
-        cfg.kv_cache_bytes = kv_cache_mib << 20
-    if json:
-        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    log = (lambda m: typer.echo(m, err=True)) if json else typer.echo
-    try:
-        report, samples = run(cfg, log=log)
-    except PlatformBenchError as e:
-        fail(str(e))
-    report["command"] = "swiftkv bench platform " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "platform"] else " ".join(sys.argv)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        report["plots"] = [str(p) for p in plot(report, samples, out)]
-        out.write_text(jsonlib.dumps(report, indent=2) + "\n")
-    if json:
-        return _print_json(report)
-    rows = [[name, str(c["reference_rate"]), f"{c['ttft_p50_s']}", f"{c['ttft_p99_s']}", f"{c['tpot_p50_s']}",
-             f"{c['throughput_tok_s']}", f"{c['goodput_rps']}", str(c["errors"]), " ".join(f"{k}={v}" for k, v in c["pool_share"].items())]
-            for name, c in report["configs"].items()]
-    _print_table(f"{workload}: platform load test", ["config", "rate", "TTFT p50 s", "TTFT p99 s", "TPOT p50 s", "tok/s",
-                                                     "goodput req/s", "errors", "pools"], rows)
+    print_json(report)
 
 
 def eval_command(
@@ -505,8 +436,8 @@ def eval_command(
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(jsonlib.dumps(result, indent=2) + "\n")
     if json:
-        return _print_json(result)
-    _print_table("SwiftKV student vs teacher", ["metric", "value"], [[k, f"{v:.4f}" if isinstance(v, float) else str(v)] for k, v in result.items()])
+        return print_json(result)
+    print_table("SwiftKV student vs teacher", ["metric", "value"], [[k, f"{v:.4f}" if isinstance(v, float) else str(v)] for k, v in result.items()])
 
 
 def register_training_commands(app: typer.Typer) -> None:

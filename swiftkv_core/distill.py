@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from .config import LlamaSwiftKVConfig, check_swiftkv_layout, swiftkv_config_from_base
 from .data import DataError, PackedData, load_packed, loss_mask
 from .hardware import cpu_info
-from .modeling import ADAPTER_MODULES, LlamaSwiftKVForCausalLM, LowerState, check_adapter_settings
+from .modeling import ADAPTER_MODULES, LlamaSwiftKVForCausalLM, check_adapter_settings
 from .shipped import TRAINED_FILE
 
 STATE_FILE = "state.pt"
@@ -58,6 +58,33 @@ METRICS_FILE = "metrics.jsonl"
 
 class DistillError(ValueError):
     """Bad distillation settings or inputs; the message says what to change."""
+
+
+class DistillStopped(Exception):
+    """SIGTERM arrived: the run saved its state at the end of the step it was in and stopped; running it again
+    with the same OUT resumes from there."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped at step {step}; the state is saved and the run resumes from it")
+        self.step = step
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """Yields a list that becomes non-empty once SIGTERM arrives (a service stopping, a pod terminating), so the
+    loop ends at a step boundary with its state saved. Outside the main thread (no signal handlers) it stays empty."""
+    import signal
+    import threading
+
+    requested: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: requested.append(signum))
+    try:
+        yield requested
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -517,37 +544,43 @@ def distill(cfg: DistillConfig) -> Path:
         metrics.flush()
     model.train()
     t_run = time.perf_counter()
-    while step < last and not cfg.finalize:
-        t0 = time.perf_counter()
-        idx = batch_indices(step, n_rows, cfg.batch_size, cfg.seed)
-        ids, target = data.ids[idx], data.target[idx]
-        terms = distill_step(model, teacher_upper, ids, target, cfg, cache, idx)
-        optimizer.zero_grad(set_to_none=True)
-        terms["loss"].backward()
-        optimizer.step()
-        scheduler.step()
-        step += 1
-        dt = time.perf_counter() - t0
-        elapsed += dt
-        tokens += ids.numel()
-        tok_s = ids.numel() / dt
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            rec = {"step": step, "tokens": tokens, "lr": scheduler.get_last_lr()[0], "tok_s": round(tok_s, 1), "elapsed_s": round(elapsed, 2)}
-            rec.update({k: round(v.item(), 6) for k, v in terms.items()})
-            if eval_data is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-                model.eval()
-                rec.update(quick_eval(model, teacher_upper, eval_data, cfg.eval_rows, bf16))
-                model.train()
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
-        if bar is not None:
-            bar.set_postfix(loss=f"{terms['loss'].item():.4f}", tok_s=f"{tok_s:.0f}")
-            bar.update(1)
-        if step % cfg.checkpoint_every == 0 or step == last:
-            _save_state(state_path, step, trainable, optimizer, scheduler, elapsed, tokens)
+    with stop_on_sigterm() as stop_requested:
+        while step < last and not cfg.finalize:
+            t0 = time.perf_counter()
+            idx = batch_indices(step, n_rows, cfg.batch_size, cfg.seed)
+            ids, target = data.ids[idx], data.target[idx]
+            terms = distill_step(model, teacher_upper, ids, target, cfg, cache, idx)
+            optimizer.zero_grad(set_to_none=True)
+            terms["loss"].backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            tokens += ids.numel()
+            tok_s = ids.numel() / dt
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                rec = {"step": step, "tokens": tokens, "lr": scheduler.get_last_lr()[0], "tok_s": round(tok_s, 1), "elapsed_s": round(elapsed, 2)}
+                rec.update({k: round(v.item(), 6) for k, v in terms.items()})
+                if eval_data is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+                    model.eval()
+                    rec.update(quick_eval(model, teacher_upper, eval_data, cfg.eval_rows, bf16))
+                    model.train()
+                metrics.write(json.dumps(rec) + "\n")
+                metrics.flush()
+            if bar is not None:
+                bar.set_postfix(loss=f"{terms['loss'].item():.4f}", tok_s=f"{tok_s:.0f}")
+                bar.update(1)
+            if step % cfg.checkpoint_every == 0 or step == last:
+                _save_state(state_path, step, trainable, optimizer, scheduler, elapsed, tokens)
+            if stop_requested:  # a service or pod stopping: keep the step just finished, resume from it next time
+                _save_state(state_path, step, trainable, optimizer, scheduler, elapsed, tokens)
+                break
     if bar is not None:
         bar.close()
     metrics.close()
+    if step < last and not cfg.finalize:
+        raise DistillStopped(step)
     model.eval()
     write_checkpoint(model, cfg.base, out, trainable)
     summary = {

@@ -24,7 +24,6 @@ runs in float32 unless `bf16` is set; generation uses the reference model's KV c
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -285,7 +284,3 @@ def long_context_agreement(t_model, s_model, tokenizer, docs: list[str], answer_
         "long_docs": len(docs),
         "long_prompt_tokens_mean": round(prompt_tokens / len(docs), 1),
     }
-
-
-def format_result(result: dict) -> str:
-    return json.dumps(result, indent=2)

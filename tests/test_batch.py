@@ -20,9 +20,9 @@ import httpx
 import openai
 import pytest
 import yaml
+from conftest import fresh_postgres_database
 from sqlalchemy import create_engine, text
 
-from conftest import fresh_postgres_database
 from services.batch.runner import PoolSlots
 from services.gateway.routing import PoolState, RoutePolicy
 from services.serving.config import BatchConfig, RoutingConfig

@@ -9,9 +9,9 @@ import threading
 import time
 
 import httpx
+from test_batch import PROMPT_HEAVY, gated_gateway, running, until
 
 from services.batch import runner as runner_module
-from test_batch import PROMPT_HEAVY, gated_gateway, running, until
 
 KEY_A, KEY_B = "sk-hostile-a", "sk-hostile-b"
 

@@ -17,7 +17,6 @@ from services.batch.jsonl import parse_input, read_body
 from services.batch.store import BatchStore, new_id
 
 
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def store(request, tmp_path):
     url = f"sqlite:///{tmp_path / 'batch.db'}" if request.param == "sqlite" else request.getfixturevalue("pg_url")

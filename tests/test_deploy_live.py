@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from test_deploy import ROOT, find, render, tool
 
 
@@ -29,7 +28,6 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base
     Prometheus's HTTP API, returns a series with a number."""
     import httpx
     import openai
-
     from test_gateway import engine_args, free_port, launch, stop, wait_until
     from test_training import MODEL, QUICK, Trainer, create, records, wait_status
 

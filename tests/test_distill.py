@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,6 @@ def test_kl_is_zero_when_student_equals_teacher(tiny_base, train_text):
     assert masked.item() == pytest.approx(by_hand.item(), rel=1e-5)
     assert full.item() > masked.item()
     # Through the model: the undistilled student differs from the teacher, the teacher from itself not.
-    cfg = _cfg(tiny_base, "unused", train_text)
     ids = torch.randint(0, 100, (1, 16))
     with torch.no_grad():
         lower = model.forward_lower(ids)
@@ -125,6 +125,33 @@ def test_resume_continues_the_same_run(tiny_base, train_text, tmp_path):
     b = [json.loads(ln)["loss"] for ln in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert len(a) == len(b) == 6
     assert b == pytest.approx(a, rel=1e-4)
+
+
+def test_sigterm_saves_the_step_it_ends_and_the_run_resumes_from_it(tiny_base, train_text, tmp_path):
+    """A stopping service or pod sends SIGTERM: the loop ends at a step boundary with that step's state saved
+    (not only at the last periodic checkpoint), and running again completes the same run."""
+    import os
+    import signal
+    import threading
+
+    from swiftkv_core.distill import DistillStopped
+
+    out = tmp_path / "run"
+    metrics = out / "metrics.jsonl"
+
+    def stop_after_the_first_step():
+        while not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_after_the_first_step, daemon=True).start()
+    with pytest.raises(DistillStopped) as stopped:
+        distill(_cfg(tiny_base, out, train_text, max_steps=200, checkpoint_every=1000))
+    assert 1 <= stopped.value.step < 200 and torch.load(out / "state.pt", weights_only=True)["step"] == stopped.value.step
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is the run's only
+    done = distill(_cfg(tiny_base, out, train_text, max_steps=200, checkpoint_every=1000, stop_at=stopped.value.step + 2))
+    steps = [json.loads(ln)["step"] for ln in (done / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, stopped.value.step + 3))
 
 
 def test_a_run_from_before_the_lora_settings_resumes_and_other_settings_are_refused(tiny_base, train_text, tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from swiftkv_core.shipped import DEFAULT_SWIFTKV_NAME, WEIGHTS_DIR
 
@@ -23,8 +22,8 @@ def test_shipped_tensors_are_small_and_documented():
 def test_default_swiftkv_model_assembles_and_answers(smollm2_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from swiftkv_core.shipped import assemble_from_trained
     from swiftkv_core.modeling import load_model
+    from swiftkv_core.shipped import assemble_from_trained
 
     out = assemble_from_trained(smollm2_dir, SHIPPED, tmp_path / DEFAULT_SWIFTKV_NAME)
     config = json.loads((out / "config.json").read_text())

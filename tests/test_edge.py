@@ -15,7 +15,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from test_gateway import KEY, free_port, launch, metric, scrape, stop, wait_until
 
 PUBLIC = "edge"

@@ -5,7 +5,6 @@ and are deleted, and each key's files have a storage quota that batch output cou
 from __future__ import annotations
 
 import asyncio
-
 import json
 import secrets
 import time
@@ -15,9 +14,9 @@ import httpx
 import openai
 import pytest
 from sqlalchemy import text, update
+from test_batch import PROMPT_HEAVY, GatedBackend, running, until
 
 from services.batch.files import expiry
-from test_batch import PROMPT_HEAVY, GatedBackend, running, until
 
 KEY_A, KEY_B = "sk-files-a", "sk-files-b"
 A, B = {"Authorization": f"Bearer {KEY_A}"}, {"Authorization": f"Bearer {KEY_B}"}

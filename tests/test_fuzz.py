@@ -14,7 +14,6 @@ import pytest
 import requests
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-
 from test_gateway import KEY, free_port, launch, stop, wait_until
 from test_training import MODEL, Trainer
 

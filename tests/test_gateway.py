@@ -53,6 +53,7 @@ def server(tiny_base, tiny_swiftkv, tmp_path_factory):
     config = {
         "model": PUBLIC,
         "port": free_port(),
+        "data_dir": str(work / "data"),
         "pools": {
             "prefill": {"model": str(prefill_model), "engine_args": engine_args()},
             "decode": {"model": str(tiny_base), "engine_args": engine_args()},
@@ -178,9 +179,12 @@ def test_each_engine_computes_on_its_own_cores(server):
     from swiftkv_core.hardware import parse_cpu_list
 
     serve = psutil.Process(SERVERS[server].pid)
-    log = (Path(SERVERS[server].args[3]).parent / "serve.log").read_text()  # launch(): work/platform.yaml, work/serve.log
-    # (EngineCore pid=N) ... VLLM_CPU_OMP_THREADS_BIND='0-1', ...: the value each engine core process started with
-    binds = {int(pid): value for pid, value in re.findall(r"\(EngineCore pid=(\d+)\).*VLLM_CPU_OMP_THREADS_BIND='([^']*)'", log)}
+    work = Path(SERVERS[server].args[3]).parent  # launch(): work/platform.yaml, work/serve.log
+    log = (work / "serve.log").read_text()
+    # (EngineCore pid=N) ... VLLM_CPU_OMP_THREADS_BIND='0-1', ...: the value each engine core process started with, in the
+    # log file that takes the engines' logs (data_dir/logs/serve.log)
+    engine_log = (work / "data" / "logs" / "serve.log").read_text()
+    binds = {int(pid): value for pid, value in re.findall(r"\(EngineCore pid=(\d+)\).*VLLM_CPU_OMP_THREADS_BIND='([^']*)'", engine_log)}
     planned = re.findall(r"pool (prefill|decode): cpu_cores auto -> ([\d,-]+) \(2 in-process engines", log)
     assert sorted(name for name, _ in planned) == ["decode", "prefill"]
     allowed = set(serve.cpu_affinity())
@@ -471,7 +475,7 @@ def test_metrics_after_traffic(server, client):
         assert metric(m, "swiftkv_requests_total", pool=pool, model=PUBLIC, status="ok") >= 1
         assert metric(m, "swiftkv_requests_in_flight", pool=pool) == 0
         assert metric(m, "swiftkv_pool_ready", pool=pool) == 1
-        assert metric(m, f"vllm:time_to_first_token_seconds_count", model_name=f"{PUBLIC}-{pool}", engine="0") >= 1
+        assert metric(m, "vllm:time_to_first_token_seconds_count", model_name=f"{PUBLIC}-{pool}", engine="0") >= 1
     assert metric(m, "swiftkv_time_per_output_token_seconds_count", pool="decode", model=PUBLIC) >= 1
     assert metric(m, "swiftkv_request_queue_time_seconds_count", pool="decode", model=PUBLIC) >= 1
     # sub-second TTFT is resolved: several buckets below one second

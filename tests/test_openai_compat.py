@@ -19,7 +19,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-
 from test_gateway import MAX_MODEL_LEN, engine_args, free_port, launch, stop, swiftkv_plugin_available, wait_until
 
 KEY = "sk-compat"

@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from test_gateway import KEY, PUBLIC, engine_args, every_pool_ready, free_port, launch, metric, scrape, stop, wait_until
 
 

@@ -21,8 +21,7 @@ import httpx
 import openai
 import pytest
 import yaml
-
-from test_deploy import CHART, ROOT, find, render, tool
+from test_deploy import ROOT, find, render, tool
 from test_serve_ray import free_port
 
 BIN = Path(sys.executable).parent

@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from test_batch import BATCH, Platform, engine_args, free_port
 
 from services.training.backends import RayBackend, job_command
-from test_batch import BATCH, Platform, engine_args, free_port
 
 TRAINER_FLAGS = ["--checkpoint-every", "2", "--events-every", "1", "--eval-max-tokens", "128", "--eval-prompts", "1", "--threads", "1"]
 QUICK = {"n_steps": 4, "batch_size": 2, "seq_len": 32}
@@ -339,3 +339,28 @@ def test_ray_submission_runs_the_job_module(tmp_path):
     assert sub["submission_id"] == "ftjob-x-2" and sub["entrypoint_num_gpus"] == 1
     assert sub["entrypoint"] == f"python3 -m services.training.job '{tmp_path / 'run dir'}'"
     assert job_command(tmp_path)[1:] == ["-m", "services.training.job", str(tmp_path)]
+
+
+# ---- a clean stop: the running job saves its state, the next start resumes it ---------------------------------
+def test_sigterm_mid_job_saves_its_state_and_the_next_start_resumes(client, trainer, training_file, work):
+    import torch
+
+    steps = 600
+    job = create(client, MODEL, training_file, n_steps=steps)
+    wait_checkpoint(client, job.id)
+    run_dir = work / "data" / "runs" / job.id
+    trainer.proc.terminate()  # as Kubernetes stops a pod
+    assert trainer.proc.wait(60) == 0, trainer.log_path.read_text()[-3000:]
+    alive = [p for p in Path("/proc").iterdir() if p.name.isdigit() and (p / "cmdline").exists()
+             and str(run_dir).encode() in (p / "cmdline").read_bytes()]
+    assert not alive, "the job process stopped with the service"
+    saved = torch.load(run_dir / "out" / "state.pt", weights_only=True)["step"]
+    last = json.loads((run_dir / "out" / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert 0 < saved == last < steps, "the state was saved at the step the job stopped at, not at an earlier checkpoint"
+    trainer.start()
+    done = wait_status(client, job.id, ("succeeded",), timeout=400)
+    assert done.trained_tokens == steps * QUICK["batch_size"] * QUICK["seq_len"]
+    messages = [e.message for e in events(client, job.id)]
+    assert "Training process stopped with the service; it resumes on the next start" in messages
+    reported = [e.data["step"] for e in events(client, job.id) if e.type == "metrics" and "step" in e.data]
+    assert reported == sorted(set(reported)) and reported[-1] == steps, "resumed where it stopped: no step twice"

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from test_training import MODEL, QUICK, records
 
 from services.training.api import event_object
 from services.training.service import TrainerSettings, create_app
 from swiftkv_core.distill import STATE_FILE, DistillConfig, DistillError, distill
-from test_training import MODEL, QUICK, records
 
 KEY_A, KEY_B = "sk-trainer-a", "sk-trainer-b"
 DEEP = 100_000  # nesting levels: past any recursion limit of Python's JSON parser

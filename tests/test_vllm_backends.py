@@ -8,8 +8,8 @@ import pytest
 import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.engine.arg_utils import EngineArgs
-from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 from swiftkv_core.vllm.engine_config import check_attention_backend, swiftkv_cudagraph_mode
 from swiftkv_core.vllm.logits_tokens import UnsupportedAttentionBackend, select_logits_tokens

@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-
 from test_gateway import free_port, launch, stop, wait_until
 from test_remote_backend import MAX_MODEL_LEN, NAME, UPSTREAM_KEY, vllm_server  # noqa: F401 (the module's server fixture)
 

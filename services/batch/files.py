@@ -4,7 +4,6 @@ store's file rows do not say: when each file expires and how many bytes each key
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import BinaryIO
@@ -86,10 +85,6 @@ class FileStore:
 
     def delete(self, file_id: str) -> None:
         self.path(file_id).unlink(missing_ok=True)
-
-    def copy_to(self, file_id: str, target: BinaryIO) -> None:
-        with open(self.path(file_id), "rb") as f:
-            shutil.copyfileobj(f, target)
 
     def remove_stale_parts(self, older_than: float) -> None:
         """Part files nobody has written to for `older_than` seconds: left by a process killed mid-write."""

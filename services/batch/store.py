@@ -18,8 +18,28 @@ import secrets
 import time
 from typing import Any, Collection, Iterator
 
-from sqlalchemy import (JSON, BigInteger, Boolean, Column, Float, Integer, MetaData, String, Table, Text, and_, create_engine, event,
-                        func, insert, inspect, or_, select, text, update)
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    Float,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    and_,
+    create_engine,
+    event,
+    func,
+    insert,
+    inspect,
+    or_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.schema import CreateColumn

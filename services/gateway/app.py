@@ -182,8 +182,8 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
     for ext in extensions:
         app.include_router(ext.router)
         operations.update(getattr(ext, "openapi_operations", {}))
-    models = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
-    app.openapi = lambda: document(app, operations, models, bearer=gateway.keys.enabled, public=("/health", "/ready", "/metrics", "/version"))
+    schemas = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+    app.openapi = lambda: document(app, operations, schemas, bearer=gateway.keys.enabled, public=("/health", "/ready", "/metrics", "/version"))
     return app
 
 

@@ -23,8 +23,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from fastapi import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from services.serving.backend import (Backend, BackendDown, BackendError, BadRequest, GenerateRequest, Output, SamplingOptions,
-                                      UpstreamError)
+from services.serving.backend import Backend, BackendDown, BackendError, BadRequest, GenerateRequest, Output, SamplingOptions, UpstreamError
 from services.serving.config import PlatformConfig
 
 from . import constraints, metrics
@@ -86,7 +85,7 @@ class Gateway:
         # A pool that is down is checked again within a health period: when to try again after a 503.
         self.retry_after = {"Retry-After": str(max(1, math.ceil(cfg.health.period_seconds)))}
         self.tool_parsers = {name: cfg.pools[name].tool_call_parser for name in self.pools}
-        for name, parser in self.tool_parsers.items():
+        for parser in self.tool_parsers.values():
             if parser is not None:
                 parser_class(parser)  # an unknown name fails at start, not on the first request with tools
         self._tasks: list[asyncio.Task] = []

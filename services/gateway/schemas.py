@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import bad_request
 
-
 MAX_INT32 = 2**31 - 1  # token counts: far above any context, small enough for every engine
 MAX_SCHEMA_CHARS = 100_000  # a JSON schema, grammar or regex for structured output, serialized
 MAX_JSON_DEPTH = 100  # objects and arrays nested in a body (vLLM's own bound on a schema is 64 levels)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import threading
 import time
 from contextlib import contextmanager
 from typing import Any, AsyncIterator
 
 from prometheus_client import REGISTRY, CollectorRegistry
+
+from swiftkv_core.interrupts import shield_children
 
 from .backend import BackendDown, BackendError, BadRequest, ChoiceDelta, GenerateRequest, Output, SamplingOptions, TokenLogprob
 
@@ -165,10 +166,8 @@ class VLLMEngine:
 
         engine_args = engine_args_for_machine(self.engine_args, vllm_on_cpu(), f"pools.{self.name}.engine_args")
         args = AsyncEngineArgs(model=self.model, served_model_name=[self.served_model_name], **engine_args)
-        # The engine's processes inherit this thread's signal mask: with SIGINT blocked, a Ctrl-C in a terminal (sent
-        # to the whole process group) reaches only the gateway, which drains, then stops them in order.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        with cpu_binding(self.cpu_bind):
+        # A Ctrl-C in a terminal reaches only the gateway, which drains, then stops the engine's processes in order.
+        with shield_children(), cpu_binding(self.cpu_bind):
             llm = AsyncLLM.from_engine_args(args, stat_loggers=self.stat_loggers)
         # Kept on self, not returned nor left in a local: this thread's frames can outlive the start (an error a
         # library stored while vLLM imported holds them), and an engine they still hold at exit shuts down again
@@ -178,6 +177,7 @@ class VLLMEngine:
                 self.llm, llm = llm, None
         if llm is not None:  # stopped while it started: its processes would outlive the gateway
             llm.shutdown(timeout=SHUTDOWN_SECONDS)
+            llm = None
 
     async def start(self, adopt_metrics: bool = False) -> None:
         t0 = time.perf_counter()

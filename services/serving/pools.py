@@ -6,7 +6,7 @@ import logging
 from typing import Literal
 
 from .backend import Backend
-from .config import PlatformConfig
+from .config import PlatformConfig, PoolConfig
 
 EngineKind = Literal["inprocess", "ray"]
 
@@ -29,16 +29,44 @@ def cpu_binds(cfg: PlatformConfig, engine: EngineKind) -> dict[str, str | None]:
                             vllm_on_cpu())
 
 
+def describe(pool: PoolConfig, engine: EngineKind, cpu_bind: str | None = None) -> str:
+    """Where a pool runs and with what budget, for the console: 'in-process vLLM engine (dtype float32, CPUs 0, ...)'."""
+    if pool.backend == "remote":
+        return "remote OpenAI-compatible server"
+    if pool.ray_app:
+        return f"Ray Serve application {pool.ray_app} (deployed by the cluster)"
+    args = pool.engine_args
+    budget = [f"dtype {args.get('dtype') or 'auto'}"]
+    if cpu_bind:
+        budget.append(f"CPUs {cpu_bind}")
+    if args.get("kv_cache_memory_bytes"):
+        budget.append(f"KV cache {int(args['kv_cache_memory_bytes']) / 2**20:,.0f} MiB")
+    elif args.get("gpu_memory_utilization"):
+        budget.append(f"gpu_memory_utilization {args['gpu_memory_utilization']}")
+    if str(args.get("kv_cache_dtype") or "auto") != "auto":
+        budget.append(f"kv_cache_dtype {args['kv_cache_dtype']}")
+    if args.get("max_model_len"):
+        budget.append(f"max_model_len {args['max_model_len']}")
+    if engine == "ray":
+        r = pool.replicas
+        count = f"{r.min}" if r.min == r.max else f"{r.min}-{r.max}"
+        return f"Ray Serve, {count} replica(s) of {r.num_cpus:g} CPU / {r.num_gpus:g} GPU, a vLLM engine each ({', '.join(budget)})"
+    return f"in-process vLLM engine ({', '.join(budget)})"
+
+
 def build_backends(cfg: PlatformConfig, engine: EngineKind) -> dict[str, Backend]:
     backends: dict[str, Backend] = {}
     binds = cpu_binds(cfg, engine)
     if engine == "inprocess" and any(pool.backend == "engine" for pool in cfg.pools.values()):
-        from swiftkv_core.hardware import preload_tcmalloc, vllm_on_cpu
+        from swiftkv_core.hardware import note_triton, preload_tcmalloc, vllm_on_cpu
 
         if vllm_on_cpu():
             preload_tcmalloc()  # before any engine process starts: they read LD_PRELOAD when they exec
+            note_triton()
     for name, pool in cfg.pools.items():
         served = cfg.served_name(name)
+        log.info("pool %s: %s as %s, %s", name, pool.url if pool.backend == "remote" else pool.model, served,
+                 describe(pool, engine, binds.get(name)))
         if pool.backend == "remote":
             from .remote import RemoteBackend
 

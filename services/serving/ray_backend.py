@@ -9,7 +9,9 @@ agent (vLLM's names with the `ray_` prefix, e.g. `ray_vllm:time_to_first_token_s
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import time
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -17,6 +19,8 @@ from ray import serve
 from .backend import BackendDown, BackendError, BadRequest, GenerateRequest, Output
 from .config import PoolConfig
 from .engine import VLLMEngine
+
+log = logging.getLogger("swiftkv.ray")
 
 
 @serve.deployment(health_check_period_s=10, health_check_timeout_s=30, graceful_shutdown_timeout_s=5)
@@ -73,7 +77,9 @@ class RayBackend:
         self.handle = None
 
     async def start(self) -> None:
+        t0 = time.perf_counter()
         if not self.attached:
+            log.info("pool %s: deploying Ray Serve application %s (each replica starts its engine)", self.name, self.app_name)
             app = build_deployment(self.name, self.cfg, self.served_model_name)
             # serve.run returns once the initial replicas passed their constructor (warm-up included).
             await asyncio.to_thread(serve.run, app, name=self.app_name, route_prefix=None)
@@ -81,6 +87,7 @@ class RayBackend:
         if status != "RUNNING":
             raise BackendDown(f"pool {self.name}: Ray Serve application {self.app_name!r} is {status or 'not deployed'}")
         self.handle = await asyncio.to_thread(serve.get_app_handle, self.app_name)
+        log.info("pool %s: Ray Serve application %s running (%.1fs)", self.name, self.app_name, time.perf_counter() - t0)
 
     async def _app(self):
         """The application's status overview, None when Serve or the application is absent."""

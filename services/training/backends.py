@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 RUNNING = None  # poll() result while the work goes on
@@ -57,6 +58,22 @@ class LocalBackend:
             except OSError:
                 pass
         return 0 if (run_dir / "done").exists() else -1
+
+    def stop(self, ref: str, run_dir: Path, timeout: float) -> None:
+        """The service is stopping: SIGTERM asks the job to save its state at the end of its step and exit (the
+        next start resumes it); past `timeout` it is killed and resumes from its last periodic checkpoint."""
+        pid = int(ref)
+        if not (pid in self.children or self._ours(pid, run_dir)):
+            return
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.poll(ref, run_dir) is RUNNING:
+            time.sleep(0.2)
+        if self.poll(ref, run_dir) is RUNNING:
+            self.kill(ref, run_dir)
 
     def kill(self, ref: str, run_dir: Path) -> None:
         pid = int(ref)
@@ -113,6 +130,9 @@ class RayBackend:
         if status in (JobStatus.FAILED, JobStatus.STOPPED):
             return 1
         return RUNNING
+
+    def stop(self, ref: str, run_dir: Path, timeout: float) -> None:
+        """The service is stopping: the cluster keeps the job running, and the next start follows it."""
 
     def kill(self, ref: str, run_dir: Path) -> None:
         try:

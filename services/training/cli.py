@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -38,6 +39,11 @@ def trainer_serve_command(
     for name in ("checkpoint_every", "events_every"):
         if getattr(settings, name) < 1:
             raise typer.BadParameter(f"--{name.replace('_', '-')} must be at least 1")
+    # uvicorn drains on SIGTERM and Ctrl-C, then raises the signal again for the handler it found: ignoring ones make
+    # a drained stop exit 0, not 143 or "Aborted!". A running job's process (its own session) is not stopped: the
+    # next start follows it, or resumes it from its last checkpoint if it is gone.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
     serve(settings, log_level)
 
 

@@ -13,11 +13,13 @@ import json
 import sys
 from pathlib import Path
 
+STOPPED = 75  # exit status of a job stopped by SIGTERM at a step boundary, its state saved (EX_TEMPFAIL)
+
 
 def run(run_dir: Path) -> int:
     from swiftkv_core.config import SwiftKVConfigError
     from swiftkv_core.data import DataError
-    from swiftkv_core.distill import DistillConfig, DistillError, distill
+    from swiftkv_core.distill import DistillConfig, DistillError, DistillStopped, distill
     from swiftkv_core.evaluate import EvalError, evaluate
 
     spec = json.loads((run_dir / "job.json").read_text())
@@ -31,6 +33,9 @@ def run(run_dir: Path) -> int:
             tmp = run_dir / "eval.json.tmp"
             tmp.write_text(json.dumps(result, indent=2))
             tmp.replace(run_dir / "eval.json")
+    except DistillStopped as e:  # the service is stopping: the state is saved, the next start resumes
+        print(f"stopped: {e}", file=sys.stderr, flush=True)
+        return STOPPED
     except (SwiftKVConfigError, DistillError, DataError, EvalError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

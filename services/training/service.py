@@ -58,6 +58,9 @@ class TrainerSettings(BaseSettings):
     eval_gen_tokens: int = 16
     threads: int | None = None  # torch threads of the job process
     poll_seconds: float = 0.5
+    # On a stop, the running local job saves its state at the end of its step; past this it is killed and resumes
+    # from its last periodic checkpoint (keep the pod's terminationGracePeriodSeconds above it).
+    stop_timeout_seconds: float = 30.0
 
     @field_validator("allowed_models", mode="before")
     @classmethod
@@ -129,6 +132,7 @@ class TrainerService:
             self._task.cancel()
             with suppress(asyncio.CancelledError):
                 await self._task
+            await self.io(self.worker.shutdown, self.settings.stop_timeout_seconds)
         self.io.close()
         self.store.close()
 

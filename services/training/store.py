@@ -137,11 +137,6 @@ class TrainingStore(BatchStore):
                 conn.execute(files.delete().where(files.c.id == record["id"]))
                 conn.execute(insert(files).values(**record))
 
-    def delete_job(self, job_id: str) -> None:
-        with self.engine.begin() as conn:
-            conn.execute(events.delete().where(events.c.job_id == job_id))
-            conn.execute(jobs.delete().where(jobs.c.id == job_id))
-
     def count_by_status(self) -> dict[str, int]:
         with self.engine.connect() as conn:
             return dict(conn.execute(select(jobs.c.status, func.count()).group_by(jobs.c.status)).all())

@@ -13,6 +13,7 @@ from pathlib import Path
 from swiftkv_core.distill import METRICS_FILE, STATE_FILE
 from swiftkv_core.models import register_fine_tuned
 
+from .job import STOPPED
 from .metrics import jobs_finished, step_seconds, tokens_per_second, trained_tokens
 from .store import TrainingStore
 
@@ -54,6 +55,14 @@ class Worker:
         return Path(self.settings.data_dir) / "runs" / job_id
 
     # ---- the API's requests ----------------------------------------------------------------------
+    def shutdown(self, timeout: float) -> None:
+        """The service is stopping: the running job saves its state and stops; the next start resumes it."""
+        job = self.store.next_job()
+        if job is not None and job["status"] == "running" and job["runner_ref"]:
+            self.backend.stop(job["runner_ref"], self.run_dir(job["id"]), timeout)
+            self.store.add_event(job["id"], "Training process stopped with the service; it resumes on the next start")
+            log.info("job %s stopped with its state saved; it resumes on the next start", job["id"])
+
     def stop(self, job: dict) -> None:
         """Kill a job's process now (cancel)."""
         if job.get("runner_ref"):
@@ -90,6 +99,9 @@ class Worker:
             self._finish(job, run_dir)
         elif rc == -1:  # the process of an earlier service is gone without finishing: start it again
             self.store.add_event(job["id"], "Training process lost; resuming from the last checkpoint")
+            self._start(job, run_dir)
+        elif rc == STOPPED:  # stopped by SIGTERM with its state saved (not by this service, which would not tick again)
+            self.store.add_event(job["id"], "Training process stopped; resuming from its saved state")
             self._start(job, run_dir)
         else:
             tail = self.backend.log_tail(job["runner_ref"], run_dir, job["attempts"])

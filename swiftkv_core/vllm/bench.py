@@ -100,21 +100,24 @@ class _Engine:
     def __init__(self, name: str, path: str, cfg: EngineBenchConfig, kv_bytes: int):
         from vllm import LLM
 
+        from ..interrupts import shield_children
+
         self.name, self.path = name, path
         start = time.perf_counter()
-        self.llm = LLM(
-            model=path,
-            dtype=cfg.dtype,
-            kv_cache_dtype=cfg.kv_cache_dtype,
-            kv_cache_memory_bytes=kv_bytes,
-            block_size=cfg.block_size,
-            max_model_len=cfg.prompt_tokens + cfg.output_tokens + 16,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            enable_prefix_caching=False,  # every prompt must really be prefilled
-            enforce_eager=cfg.enforce_eager,
-            seed=cfg.seed,
-            **cfg.engine_args,
-        )
+        with shield_children():  # a Ctrl-C stops the benchmark, which then stops its engines
+            self.llm = LLM(
+                model=path,
+                dtype=cfg.dtype,
+                kv_cache_dtype=cfg.kv_cache_dtype,
+                kv_cache_memory_bytes=kv_bytes,
+                block_size=cfg.block_size,
+                max_model_len=cfg.prompt_tokens + cfg.output_tokens + 16,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                enable_prefix_caching=False,  # every prompt must really be prefilled
+                enforce_eager=cfg.enforce_eager,
+                seed=cfg.seed,
+                **cfg.engine_args,
+            )
         self.startup_s = time.perf_counter() - start
         cache = self.llm.llm_engine.vllm_config.cache_config
         self.kv_tokens = cache.num_gpu_blocks * cache.block_size
