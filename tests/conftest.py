@@ -90,3 +90,18 @@ def pg_url():
     """A fresh PostgreSQL database for one test module."""
     with fresh_postgres_database("swiftkv_test") as url:
         yield url
+
+
+TRAIN_TEXT = (
+    "SwiftKV computes the key value cache of the later layers from an earlier layer. "
+    "The quick brown fox jumps over the lazy dog. The capital of France is Paris. "
+    "def add(a, b):\n    return a + b\n"
+) * 40
+
+
+@pytest.fixture(scope="session")
+def train_text(tmp_path_factory) -> Path:
+    """A small training text for distillation runs on the tiny fixture."""
+    path = tmp_path_factory.mktemp("data") / "train.txt"
+    path.write_text(TRAIN_TEXT)
+    return path

@@ -5,33 +5,24 @@ merged (by the run, or by shipping) gives the adapter student's logits, in the r
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from test_distill import _cfg as distill_cfg
 from typer.testing import CliRunner
 
 from swiftkv_core.distill import DistillConfig, DistillError, build_student, distill, distill_step, trainable_parameters, write_checkpoint
 from swiftkv_core.modeling import ADAPTER_MODULES, load_model
 from swiftkv_core.shipped import ShippedError, assemble_from_trained, export_trained
 
-TEXT = ("The quick brown fox jumps over the lazy dog. The capital of France is Paris. def add(a, b):\n    return a + b\n") * 40
 LAYERS = range(4, 8)  # later layers of the fixture at l = 4
 
 
-@pytest.fixture(scope="module")
-def train_text(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "train.txt"
-    path.write_text(TEXT)
-    return path
-
-
 def _cfg(base, out, data, **kw) -> DistillConfig:
-    defaults = dict(num_key_value_layers=4, max_steps=6, batch_size=2, seq_len=32, lr=1e-2, progress=False, checkpoint_every=3,
-                    precision="fp32", train_scope="lora", lora_rank=4, lora_alpha=8.0)
-    return DistillConfig(base=str(base), out=str(out), data=str(data), **{**defaults, **kw})
+    """test_distill's small run, with rank-4 adapters."""
+    return distill_cfg(base, out, data, **{"train_scope": "lora", "lora_rank": 4, "lora_alpha": 8.0, **kw})
 
 
 def _student(tiny_base, modules=ADAPTER_MODULES, b_std: float = 0.1):

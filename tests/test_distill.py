@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import TRAIN_TEXT
 
 from swiftkv_core.config import SwiftKVConfigError
 from swiftkv_core.data import DataError
@@ -24,19 +24,6 @@ from swiftkv_core.distill import (
     trainable_parameters,
 )
 from swiftkv_core.modeling import load_model
-
-TEXT = (
-    "SwiftKV computes the key value cache of the later layers from an earlier layer. "
-    "The quick brown fox jumps over the lazy dog. The capital of France is Paris. "
-    "def add(a, b):\n    return a + b\n"
-) * 40
-
-
-@pytest.fixture(scope="module")
-def train_text(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "train.txt"
-    path.write_text(TEXT)
-    return path
 
 
 def _cfg(base, out, data, **kw) -> DistillConfig:
@@ -329,7 +316,7 @@ def test_cache_is_resumable_and_refuses_other_data(tiny_base, train_text, tmp_pa
     with pytest.raises(teacher_cache.CacheError, match="not 5"):
         teacher_cache.open_cache(tmp_path / "whole", tiny_base, data, 5, rows=8)
     other = tmp_path / "other.txt"
-    other.write_text(TEXT[::-1])
+    other.write_text(TRAIN_TEXT[::-1])
     with pytest.raises(teacher_cache.CacheError, match="other data"):
         teacher_cache.open_cache(tmp_path / "whole", tiny_base, load_packed(other, tok, 32), 4, rows=8)
     with pytest.raises(teacher_cache.CacheError, match="other settings"):

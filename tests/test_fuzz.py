@@ -71,11 +71,20 @@ def problems(response: requests.Response) -> list[str]:
     return []
 
 
-def fuzz(base: str, headers: dict, models: list[str]) -> tuple[dict, list]:
-    """Every operation of base's /openapi.json: -> ({operation: examples sent}, [(operation, mode, request, problem)])."""
+def json_type(value) -> str:
+    for kind, name in ((bool, "boolean"), (int, "number"), (float, "number"), (str, "string"), (dict, "object"), (list, "array")):
+        if isinstance(value, kind):
+            return name
+    return "null"
+
+
+def fuzz(base: str, headers: dict, models: list[str]) -> tuple[dict, list, dict]:
+    """Every operation of base's /openapi.json: -> ({operation: examples sent}, [(operation, mode, request, problem)],
+    {(operation, body field): JSON types sent for it})."""
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json", headers=headers)
     counts: dict[str, dict[int | str, int]] = defaultdict(lambda: defaultdict(int))
     failures: list = []
+    sent_types: dict[tuple[str, str], set[str]] = defaultdict(set)
     refused: dict = defaultdict(lambda: defaultdict(int))  # valid per the schema, refused by a check it cannot express
     for result in schema.get_all_operations():
         op = result.ok()
@@ -94,6 +103,9 @@ def fuzz(base: str, headers: dict, models: list[str]) -> tuple[dict, list]:
             def run(case, real_model):
                 if real_model and mode is GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
                     case.body["model"] = real_model  # a served model, so valid requests reach the engine
+                if isinstance(case.body, dict):
+                    for field, value in case.body.items():
+                        sent_types[(label, field)].add(json_type(value))
                 sent = case.as_curl_command(headers=headers, base_url=base)[:400]
                 try:
                     response = case.call(base_url=base, headers=headers, timeout=TIMEOUT)
@@ -123,7 +135,7 @@ def fuzz(base: str, headers: dict, models: list[str]) -> tuple[dict, list]:
                 raise
     for label, params in refused.items():
         print(f"  {label}: valid per the schema, refused naming {dict(sorted(params.items(), key=lambda kv: -kv[1])[:8])}")
-    return {label: dict(c) for label, c in counts.items()}, failures
+    return {label: dict(c) for label, c in counts.items()}, failures, sent_types
 
 
 def report(name: str, counts: dict, failures: list, took: float) -> None:
@@ -141,8 +153,10 @@ def test_gateway_schema_fuzzing(gateway):
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/v1/files", "/v1/batches"):
         assert path in doc["paths"], path
     assert doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    counts, failures = fuzz(gateway, {"Authorization": f"Bearer {KEY}"}, [PUBLIC, f"{PUBLIC}-decode"])
+    counts, failures, sent_types = fuzz(gateway, {"Authorization": f"Bearer {KEY}"}, [PUBLIC, f"{PUBLIC}-decode"])
     report("gateway", counts, failures, time.time() - t0)
+    # The run reaches the case a review found by hand (`"completion_window": {}` was a 500): a wrongly typed window.
+    assert sent_types[("POST /v1/batches", "completion_window")] - {"string"}, sent_types[("POST /v1/batches", "completion_window")]
     assert len(counts) == sum(len(ops) for ops in doc["paths"].values())
     assert not failures
     r = httpx.post(f"{gateway}/v1/chat/completions", json={"model": PUBLIC, "messages": [{"role": "user", "content": "hi"}],
@@ -154,7 +168,7 @@ def test_trainer_schema_fuzzing(trainer):
     t0 = time.time()
     doc = httpx.get(f"{trainer}/openapi.json").json()
     assert "/v1/fine_tuning/jobs" in doc["paths"] and "/v1/files" in doc["paths"]
-    counts, failures = fuzz(trainer, {"Authorization": f"Bearer {KEY}"}, [MODEL])
+    counts, failures, _ = fuzz(trainer, {"Authorization": f"Bearer {KEY}"}, [MODEL])
     report("trainer", counts, failures, time.time() - t0)
     assert len(counts) == sum(len(ops) for ops in doc["paths"].values())
     assert not failures
