@@ -61,6 +61,13 @@ def recipe(cfg: dict) -> str:
     notes = [f"hidden MSE x{cfg['hidden_weight']:g}"] if cfg.get("hidden_weight") else []
     if Path(cfg["data"]).name != "train.jsonl":
         notes.append(f"data {Path(cfg['data']).name}")
+    if cfg.get("train_scope", "swiftkv") == "lora":
+        modules = cfg["lora_modules"].split(",") if isinstance(cfg["lora_modules"], str) else cfg["lora_modules"]
+        notes.append(f"adapters r{cfg['lora_rank']} on {'/'.join(m.removesuffix('_proj') for m in modules)}")
+    elif cfg.get("train_scope", "swiftkv") != "swiftkv":
+        notes.append(f"trains {cfg['train_scope']}")
+    if cfg.get("lr", 1e-3) != 1e-3:
+        notes.append(f"lr {cfg['lr']:g}")
     return ", ".join(notes) or "-"
 
 
