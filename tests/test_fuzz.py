@@ -24,7 +24,7 @@ from schemathesis.checks import negative_data_rejection  # noqa: E402
 pytestmark = pytest.mark.slow
 
 PUBLIC = "fuzz"
-EXAMPLES = 100  # generated requests per operation (half valid, half invalid)
+EXAMPLES = 100  # generated requests per operation (half valid, half invalid), plus the coverage phase's cases
 TIMEOUT = 30.0  # seconds per request: longer is a hang
 ENVELOPE = {"message", "type", "param", "code"}
 
@@ -86,6 +86,33 @@ def fuzz(base: str, headers: dict, models: list[str]) -> tuple[dict, list, dict]
     failures: list = []
     sent_types: dict[tuple[str, str], set[str]] = defaultdict(set)
     refused: dict = defaultdict(lambda: defaultdict(int))  # valid per the schema, refused by a check it cannot express
+    def send(label: str, mode: GenerationMode, case, strict: bool) -> None:
+        """One request; `strict`: a request the schema forbids must also be refused (the hypothesis phases; the
+        coverage phase's edge cases are checked for 5xx, hangs and the envelope only)."""
+        if isinstance(case.body, dict):
+            for field, value in case.body.items():
+                sent_types[(label, field)].add(json_type(value))
+        sent = case.as_curl_command(headers=headers, base_url=base)[:400]
+        try:
+            response = case.call(base_url=base, headers=headers, timeout=TIMEOUT)
+        except requests.Timeout:
+            failures.append((label, mode.value, sent, f"no answer within {TIMEOUT:g} s"))
+            counts[label]["timeout"] += 1
+            return
+        counts[label][response.status_code] += 1
+        if mode is GenerationMode.POSITIVE and strict and response.status_code == 400:
+            try:
+                refused[label][response.json()["error"]["param"]] += 1
+            except (ValueError, KeyError, TypeError):
+                pass
+        found = problems(response)
+        if mode is GenerationMode.NEGATIVE and strict:
+            try:
+                case.validate_response(response, checks=[negative_data_rejection], headers=headers)
+            except BaseExceptionGroup as e:  # schemathesis' failures, with their explanation
+                found.append(f"{response.status_code} for a request the schema forbids: {str(e)[:300]}")
+        failures.extend((label, mode.value, sent, p) for p in found)
+
     for result in schema.get_all_operations():
         op = result.ok()
         label = f"{op.method.upper()} {op.path}"
@@ -103,29 +130,7 @@ def fuzz(base: str, headers: dict, models: list[str]) -> tuple[dict, list, dict]
             def run(case, real_model):
                 if real_model and mode is GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
                     case.body["model"] = real_model  # a served model, so valid requests reach the engine
-                if isinstance(case.body, dict):
-                    for field, value in case.body.items():
-                        sent_types[(label, field)].add(json_type(value))
-                sent = case.as_curl_command(headers=headers, base_url=base)[:400]
-                try:
-                    response = case.call(base_url=base, headers=headers, timeout=TIMEOUT)
-                except requests.Timeout:
-                    failures.append((label, mode.value, sent, f"no answer within {TIMEOUT:g} s"))
-                    counts[label]["timeout"] += 1
-                    return
-                counts[label][response.status_code] += 1
-                if mode is GenerationMode.POSITIVE and response.status_code == 400:
-                    try:
-                        refused[label][response.json()["error"]["param"]] += 1
-                    except (ValueError, KeyError, TypeError):
-                        pass
-                found = problems(response)
-                if mode is GenerationMode.NEGATIVE:
-                    try:
-                        case.validate_response(response, checks=[negative_data_rejection], headers=headers)
-                    except BaseExceptionGroup as e:  # schemathesis' failures, with their explanation
-                        found.append(f"{response.status_code} for a request the schema forbids: {str(e)[:300]}")
-                failures.extend((label, mode.value, sent, p) for p in found)
+                send(label, mode, case, strict=True)
 
             try:
                 run()
@@ -133,6 +138,12 @@ def fuzz(base: str, headers: dict, models: list[str]) -> tuple[dict, list, dict]
                 if mode is GenerationMode.NEGATIVE and "Unsatisfiable" in type(e).__name__:
                     continue
                 raise
+        # schemathesis' coverage phase (as `schemathesis run` does): each field at its boundaries and in every wrong
+        # JSON type, deterministically, which random generation may never reach (`"completion_window": {}` was a 500)
+        generation = schema.config.generation_for(operation=op)
+        for case in schema.iter_coverage_cases(op, generation_modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
+                                               generation_config=generation):
+            send(label, case.meta.generation.mode if case.meta else GenerationMode.NEGATIVE, case, strict=False)
     for label, params in refused.items():
         print(f"  {label}: valid per the schema, refused naming {dict(sorted(params.items(), key=lambda kv: -kv[1])[:8])}")
     return {label: dict(c) for label, c in counts.items()}, failures, sent_types
