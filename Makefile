@@ -61,8 +61,9 @@ test: setup
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# Everything above the engines (in-process, against the fake backend): no vLLM engine, Ray or model download.
 test-fast: setup
-	$(VENV)/bin/pytest -x -q -m "not slow and not smollm2" tests
+	$(VENV)/bin/pytest -x -q -m "not engine and not slow and not smollm2" tests
 
 demo: setup
 	$(VENV)/bin/swiftkv demo

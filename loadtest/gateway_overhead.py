@@ -70,10 +70,10 @@ class InstantBackend:
 def serve_gateway(port: int, tokenizer_dir: str) -> None:
     import uvicorn
 
+    from services.common.keys import KeyStore
+    from services.config import PlatformConfig
     from services.gateway.app import Gateway, create_app
-    from services.gateway.auth import KeyStore
     from services.gateway.prompts import Prompter
-    from services.serving.config import PlatformConfig
 
     cfg = PlatformConfig.model_validate({
         "model": "bench", "port": port,

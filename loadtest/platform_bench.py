@@ -20,7 +20,7 @@ With a target (`--target URL --target-model NAME`) no configuration is started: 
 server already running there (a deployed gateway, vLLM's own OpenAI server), every request asking for NAME,
 and the report has one configuration named NAME@host:port.
 
-Run it as `swiftkv bench platform ...` or `python -m loadtest.platform_bench ...` from the repository root.
+Run it as `swiftkv bench platform ...` from the repository root.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Callable
 import yaml
 
 from loadtest.workloads import WORKLOADS, Request, generate, summary
-from services.serving.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN
+from services.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("routed", "base", "swiftkv")
@@ -565,14 +565,3 @@ def plot(report: dict, samples: dict[str, dict[float, list[float]]], out_json: P
     fig.savefig(paths[1], dpi=120)
     plt.close(fig)
     return paths
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m loadtest.platform_bench` (the same options as `swiftkv bench platform`)."""
-    from services.cli import app
-
-    app(["bench", "platform", *(argv if argv is not None else sys.argv[1:])])
-
-
-if __name__ == "__main__":
-    main()

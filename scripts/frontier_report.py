@@ -48,6 +48,8 @@ def _figures(d: dict | None) -> dict | None:
 
 
 def _machine(summary: dict) -> str:
+    if summary.get("device", "cpu") != "cpu":  # trained on a GPU: the card, not the host's CPU
+        return f"{summary['device']}, {'bf16' if summary.get('precision') == 'bf16' else 'float32'}"
     m = summary.get("machine")
     if not m:
         return "-"
@@ -59,8 +61,13 @@ def _machine(summary: dict) -> str:
 def recipe(cfg: dict) -> str:
     """What a row adds to the common recipe (lstsq init + KL on data/mix/train.jsonl): the table's recipe column."""
     notes = [f"hidden MSE x{cfg['hidden_weight']:g}"] if cfg.get("hidden_weight") else []
-    if Path(cfg["data"]).name != "train.jsonl":
-        notes.append(f"data {Path(cfg['data']).name}")
+    data = Path(cfg["data"])
+    if data.name != "train.jsonl":
+        notes.append(f"data {data.name}")
+    elif data.parent.name not in ("mix", ""):
+        notes.append(f"data {data.parent.name}")
+    if cfg.get("batch_size", 8) != 8:
+        notes.append(f"batch {cfg['batch_size']}")
     if cfg.get("train_scope", "swiftkv") == "lora":
         modules = cfg["lora_modules"].split(",") if isinstance(cfg["lora_modules"], str) else cfg["lora_modules"]
         notes.append(f"adapters r{cfg['lora_rank']} on {'/'.join(m.removesuffix('_proj') for m in modules)}")

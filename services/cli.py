@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from services.serve import register_serving_commands
+from services.platform import register_serving_commands
 from services.training.cli import register_trainer_commands
 from swiftkv_core.cli import register_core_commands
 

@@ -188,7 +188,7 @@ def suggest_num_key_value_layers(scores: list[float], threshold: float = 0.5) ->
 def similarity_report(model_dir: str, text: str, seq_len: int = 256, max_sequences: int = 16, threshold: float = 0.5) -> dict:
     from transformers import AutoTokenizer
 
-    from .modeling import load_model
+    from .modeling_llama_swiftkv import load_model
 
     if not text.strip():
         raise ValueError("the text is empty: SimScore needs some tokens")

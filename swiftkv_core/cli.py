@@ -42,7 +42,7 @@ def models_prepare_command(
     dir: Annotated[Path, typer.Option("--dir", help="Models directory")] = Path("models"),
 ) -> None:
     """Build (or reuse) a model folder offline and print its path."""
-    from .models import ModelPrepareError, prepare
+    from .catalog import ModelPrepareError, prepare
 
     try:
         path = prepare(name, dir)
@@ -57,7 +57,7 @@ def models_list_command(
 ) -> None:
     """Show the models `prepare` knows, with each shipped SwiftKV model's layout, quality and speed-up, and
     the models distillation jobs published (their folder can be a pool's model in `swiftkv serve`)."""
-    from .models import REGISTRY, fine_tuned, fine_tuned_card, model_card
+    from .catalog import REGISTRY, fine_tuned, fine_tuned_card, model_card
 
     for model in REGISTRY.values():
         typer.echo(f"{model.name:36s} {model.description}")
@@ -92,8 +92,10 @@ def _model_shape(preset: str | None, model: str | None):
 
 def _shape_and_layers(preset: str | None, model: str | None, num_key_value_layers: int | None):
     """The model shape and l (default: half the layers, the paper's main setting)."""
+    from .config import default_num_key_value_layers
+
     shape = _model_shape(preset, model)
-    return shape, shape.num_hidden_layers // 2 if num_key_value_layers is None else num_key_value_layers
+    return shape, default_num_key_value_layers(shape.num_hidden_layers) if num_key_value_layers is None else num_key_value_layers
 
 
 def _checked(report, *args):
@@ -271,9 +273,9 @@ def data_answers_command(
 ) -> None:
     """The teacher's own answers to prompt-heavy requests about training documents (vLLM): distillation data
     shaped like the traffic a SwiftKV pool serves."""
-    from .answers import answer_records, write_records
     from .data import DataError
     from .evaluate import EvalError
+    from .teacher_answers import answer_records, write_records
 
     if num < 1 or answer_tokens < 1 or temperature < 0:
         fail("num and answer-tokens must be positive and temperature >= 0")
@@ -307,7 +309,8 @@ def distill_command(
     seq_len: Annotated[int, typer.Option(help="Tokens per packed sequence")] = 256,
     rows: Annotated[int | None, typer.Option(help="Train on the first N packed rows only, in epochs (default: max_steps x batch_size)")] = None,
     all_tokens: Annotated[bool, typer.Option("--all-tokens", help="Chat records: loss on every token, not only the assistant's")] = False,
-    precision: Annotated[str, typer.Option(help="auto (bf16 only on CPUs with native bf16) | fp32 | bf16")] = "auto",
+    precision: Annotated[str, typer.Option(help="auto (bf16 on a GPU, or on CPUs with native bf16) | fp32 | bf16")] = "auto",
+    device: Annotated[str, typer.Option(help="auto (cuda when torch sees a GPU) | cpu | cuda[:N]; a run can resume on another device")] = "auto",
     cache: Annotated[Path | None, typer.Option(help="Teacher cache folder (see distill-cache); built for this run if absent")] = None,
     seed: Annotated[int, typer.Option(help="Data order seed")] = 0,
     checkpoint_every: Annotated[int, typer.Option(help="Save resumable state every N steps")] = 50,
@@ -328,7 +331,7 @@ def distill_command(
         train_scope=train_scope, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_modules=lora_modules, init=init, lr=lr, warmup=warmup, max_steps=max_steps, stop_at=stop_at, batch_size=batch_size,
         seq_len=seq_len, rows=rows, assistant_only=not all_tokens, precision=precision, cache=str(cache) if cache else None, seed=seed,
         checkpoint_every=checkpoint_every, eval_data=str(eval_data) if eval_data else None, eval_every=eval_every,
-        threads=threads, finalize=finalize,
+        threads=threads, device=device, finalize=finalize,
     )
     try:
         path = distill(cfg)

@@ -19,21 +19,39 @@ ARCHITECTURE = "LlamaSwiftKVForCausalLM"
 
 
 class SwiftKVConfigError(ValueError):
-    """A SwiftKV setting is out of range; the message names the field and what is allowed."""
+    """A SwiftKV setting is out of range or not supported; the message names the field and what is allowed.
+
+    The one error class for SwiftKV settings, raised for a config's layout and by the vLLM engine-config hook alike.
+    `field`: the setting at fault, where there is one (callers answering a request name it)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
-def check_swiftkv_layout(num_hidden_layers: int, num_key_value_layers: int, key_value_group_size: int) -> None:
-    """Raise SwiftKVConfigError unless 1 <= l <= L and g >= 1 divides L - l."""
+def default_num_key_value_layers(num_hidden_layers: int) -> int:
+    """l when none is given: half the layers, the paper's main setting (prefill compute falls by about half)."""
+    return num_hidden_layers // 2
+
+
+def check_swiftkv_layout(num_hidden_layers: int, num_key_value_layers: int, key_value_group_size: int,
+                         require_swiftkv_layers: bool = False) -> None:
+    """Raise SwiftKVConfigError unless 1 <= l <= L and g >= 1 divides L - l. `require_swiftkv_layers`: l < L as
+    well, so at least one layer takes its KV from layer l (a distillation has something to train)."""
     L, l, g = num_hidden_layers, num_key_value_layers, key_value_group_size
-    if not isinstance(l, int) or not 1 <= l <= L:
+    top = L - 1 if require_swiftkv_layers else L
+    if not isinstance(l, int) or isinstance(l, bool) or not 1 <= l <= top:
+        why = "; at least one later layer must take its KV from layer l" if require_swiftkv_layers else ""
         raise SwiftKVConfigError(
-            f"num_key_value_layers must be an integer in [1, {L}] (num_hidden_layers = {L}), got {l!r}"
+            f"num_key_value_layers must be an integer in [1, {top}] (num_hidden_layers = {L}{why}), got {l!r}",
+            field="num_key_value_layers",
         )
-    if not isinstance(g, int) or g < 1 or (L - l) % g != 0:
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1 or (L - l) % g != 0:
         allowed = [d for d in range(1, L - l + 1) if (L - l) % d == 0] or [1]
         raise SwiftKVConfigError(
             f"key_value_group_size must divide num_hidden_layers - num_key_value_layers = {L - l}; "
-            f"allowed values: {allowed}, got {g!r}"
+            f"allowed values: {allowed}, got {g!r}",
+            field="key_value_group_size",
         )
 
 

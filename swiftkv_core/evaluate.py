@@ -49,7 +49,7 @@ _SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_l
 
 
 def _load(path: str | Path):
-    from .modeling import load_model
+    from .modeling_llama_swiftkv import load_model
 
     p = Path(path)
     if not (p / "config.json").exists():
@@ -176,7 +176,7 @@ def evaluate(
     """`share`: None = one model when the weights allow it, False = always two models (True demands one)."""
     from transformers import AutoTokenizer
 
-    from .modeling import LlamaSwiftKVForCausalLM
+    from .modeling_llama_swiftkv import LlamaSwiftKVForCausalLM
 
     if threads:
         torch.set_num_threads(threads)

@@ -60,7 +60,7 @@ def assemble_from_trained(base_dir: str | Path, tensors_path: str | Path, out_di
     from safetensors.torch import save_file
 
     from .convert import SWIFTKV_SHARD, convert
-    from .modeling import ADAPTER_FACTOR
+    from .modeling_llama_swiftkv import ADAPTER_FACTOR
 
     tensors_path = Path(tensors_path)
     if not tensors_path.exists():
@@ -89,7 +89,7 @@ def _merge_adapters(checkpoint: Path, factors: dict, tensors_path: Path) -> None
     from safetensors.torch import save_file
 
     from .convert import _weight_map
-    from .modeling import adapter_targets, merged_weight
+    from .modeling_llama_swiftkv import adapter_targets, merged_weight
 
     config = json.loads((checkpoint / "config.json").read_text())
     l, L = config["num_key_value_layers"], config["num_hidden_layers"]

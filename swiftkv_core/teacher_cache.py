@@ -82,7 +82,7 @@ def _write_meta(path: Path, meta: dict) -> None:
 def build(path: str | Path, base: str | Path, data: PackedData, layers: list[int], rows: int, batch: int = 8, progress: bool = True) -> TeacherCache:
     """Create the cache in `path` with room for `rows` rows of `data`, or extend a partial one, until its first
     `rows` rows are done. A cache is a prefix store: a run that reads its first N rows needs N done."""
-    from .modeling import load_model
+    from .modeling_llama_swiftkv import load_model
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

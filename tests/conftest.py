@@ -1,11 +1,12 @@
-"""Shared fixtures: tiny checkpoints are built once per test session (no downloads, a few seconds)."""
+"""Shared fixtures: tiny checkpoints are built once per test session (no downloads, a few seconds), and the real
+engines the `engine` tests share are started once per run, on first use: `platform` (one `swiftkv serve --engine
+inprocess` with two pools) and `vllm_server` (vLLM's own OpenAI server). Tests marked `last` run after every other
+test, in the order their marker gives: they kill an engine of the shared platform, then stop it."""
 
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 # Tests never reach a model hub: everything they load is built locally (here, or by `models prepare`).
@@ -13,6 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
+from harness.engines import start_platform, start_vllm_server
+from harness.postgres import fresh_postgres_database
 
 from swiftkv_core.convert import convert
 from swiftkv_core.tiny import build_tiny_llama, perturb_swiftkv
@@ -60,29 +63,9 @@ def tiny_swiftkv_across(tiny_swiftkv_across_undistilled, tmp_path_factory) -> Pa
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct, prepared offline into ./models (cached across sessions)."""
-    from swiftkv_core.models import prepare
+    from swiftkv_core.catalog import prepare
 
     return prepare("smollm2-135m-instruct", Path(__file__).resolve().parent.parent / "models")
-
-
-PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"  # the PostgreSQL every developer and CI machine runs
-
-
-@contextmanager
-def fresh_postgres_database(prefix: str):
-    """A new, empty PostgreSQL database (its URL), dropped afterwards."""
-    from sqlalchemy import create_engine, text
-
-    name = f"{prefix}_{secrets.token_hex(4)}"
-    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +88,33 @@ def train_text(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "train.txt"
     path.write_text(TRAIN_TEXT)
     return path
+
+
+# ---- real engines, shared by the whole run ------------------------------------------------------------
+@pytest.fixture(scope="session")
+def platform(tiny_base, tiny_swiftkv, tmp_path_factory):
+    """The shared `swiftkv serve --engine inprocess` (harness.engines.platform_config), ready; stopped at the end."""
+    server = start_platform(tiny_base, tiny_swiftkv, tmp_path_factory.mktemp("platform"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_base, tmp_path_factory):
+    """Base URL of vLLM's OpenAI server on the tiny base model (harness.engines.start_vllm_server)."""
+    server = start_vllm_server(tiny_base, tmp_path_factory.mktemp("vllm-server"))
+    try:
+        yield server.base
+    finally:
+        server.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `last(n)` after all others, by n: the shared platform serves every engine test before them."""
+    def order(item):
+        mark = item.get_closest_marker("last")
+        return (0, 0) if mark is None else (1, mark.args[0] if mark.args else 0)
+
+    items.sort(key=order)  # stable: every other test keeps its place

@@ -8,13 +8,13 @@ import shutil
 
 import pytest
 import torch
+from harness.training import distill_config as distill_cfg
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_distill import _cfg as distill_cfg
 from typer.testing import CliRunner
 
 from swiftkv_core.distill import DistillConfig, DistillError, build_student, distill, distill_step, trainable_parameters, write_checkpoint
-from swiftkv_core.modeling import ADAPTER_MODULES, load_model
+from swiftkv_core.modeling_llama_swiftkv import ADAPTER_MODULES, load_model
 from swiftkv_core.shipped import ShippedError, assemble_from_trained, export_trained
 
 LAYERS = range(4, 8)  # later layers of the fixture at l = 4
@@ -81,6 +81,7 @@ def test_only_the_adapters_and_swiftkv_tensors_train_and_the_teacher_never_sees_
     assert set(_student(tiny_base, ("o_proj", "down_proj")).adapter_parameters()) == _adapter_names(("o_proj", "down_proj"))
 
 
+@pytest.mark.slow
 def test_a_lora_run_resumes_exactly_and_writes_a_merged_checkpoint(tiny_base, train_text, tmp_path):
     straight = distill(_cfg(tiny_base, tmp_path / "a", train_text))
     distill(_cfg(tiny_base, tmp_path / "b", train_text, stop_at=3))
@@ -175,9 +176,11 @@ def test_bad_lora_settings_are_refused_before_anything_loads(tiny_base, train_te
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_vllm_serves_a_merged_lora_checkpoint_like_the_reference(tiny_base, tmp_path):
     pytest.importorskip("vllm")
-    from test_vllm_swiftkv import ENGINE_ARGS, generate, prompt
+    from harness.engines import LLM_ARGS as ENGINE_ARGS
+    from harness.engines import generate, prompt
     from vllm import LLM
 
     model = _student(tiny_base, b_std=0.3)

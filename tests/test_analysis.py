@@ -118,7 +118,7 @@ def test_simscore_of_identical_layers_is_one(tiny_base):
     """A model whose layers add nothing (zeroed output projections) keeps x_l constant: SimScore = 1."""
     import torch
 
-    from swiftkv_core.modeling import load_model
+    from swiftkv_core.modeling_llama_swiftkv import load_model
 
     model = load_model(str(tiny_base))
     with torch.no_grad():

@@ -8,17 +8,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
-from swiftkv_core.answers import REQUESTS
 from swiftkv_core.data import load_packed
 from swiftkv_core.evaluate import _chat_ids
-from swiftkv_core.modeling import load_model
+from swiftkv_core.modeling_llama_swiftkv import load_model
+from swiftkv_core.teacher_answers import REQUESTS
 
 TEXT = "".join(json.dumps({"text": f"Paragraph {i}: the frob tool reads widgets and writes gadgets, line by line.", "source": "docs"}) + "\n"
                for i in range(60))
 
 
+@pytest.mark.engine
 def test_teacher_answers_are_the_teachers_greedy_answers(tiny_base, tmp_path):
     text = tmp_path / "train.jsonl"
     text.write_text(TEXT)

@@ -1,16 +1,13 @@
-"""The Batch API end to end, with the official `openai` client against real `swiftkv serve --engine inprocess`
-processes on the tiny fixture models: one shared platform (two pools, SQLite store) for the API tests, and
-its own processes for the kill -9 tests (SQLite restart; two gateways on the real PostgreSQL)."""
+"""The Batch API. Its HTTP behaviour (files, batches, validation, pagination, cancel, expiry, ownership, preemption
+for live traffic) runs against the real app in this process over the fake backend (harness.FakeBackend), served by
+uvicorn in a thread for the official `openai` client; one batch runs through the real engines of the shared platform
+(conftest's `platform`); the kill -9 tests run `swiftkv serve` processes (SQLite restart; two gateways on the real
+PostgreSQL) whose pool is a remote server: an in-process gateway over the fake backend."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,183 +17,59 @@ import httpx
 import openai
 import pytest
 import yaml
-from conftest import fresh_postgres_database
+from harness import FakeBackend, free_port, metric, scrape, swiftkv_serve
+from harness.batch import (
+    PROMPT_HEAVY,
+    chat_line,
+    every_line_once,
+    finished,
+    gated_gateway,
+    jsonl,
+    start_batch,
+    submit,
+    until,
+    upload,
+    wait_for,
+)
+from harness.engines import KEY
+from harness.gateway import InProcessGateway, ThreadedServer, platform_config
+from harness.postgres import fresh_postgres_database
 from sqlalchemy import create_engine, text
 
 from services.batch.runner import PoolSlots
+from services.config import BatchConfig, RoutingConfig
 from services.gateway.routing import PoolState, RoutePolicy
-from services.serving.config import BatchConfig, RoutingConfig
 
 KEY_A, KEY_B = "sk-batch-a", "sk-batch-b"
 PUBLIC = "tiny"
 MAX_MODEL_LEN = 512
 LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 20)  # ~200 tokens: prompt-heavy with max_tokens 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def engine_args() -> dict:
-    return {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 << 20,
-            "scheduling_policy": "priority"}
-
-
-class Platform:
-    """One `swiftkv serve --engine inprocess` process."""
-
-    def __init__(self, work: Path, name: str, pools: dict, batch: dict, data_dir: Path, database_url: str | None = None):
-        self.work, self.name, self.port = work, name, free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        config = {"model": PUBLIC, "port": self.port, "pools": pools, "routing": {"ratio_threshold": 4.0},
-                  "limits": {"max_body_bytes": 200_000}, "batch": batch}
-        (work / f"{name}.yaml").write_text(yaml.safe_dump(config))
-        (work / "keys").write_text(f"{KEY_A}\n{KEY_B}\n")
-        self.args = [str(Path(sys.executable).parent / "swiftkv"), "serve", "--config", str(work / f"{name}.yaml"),
-                     "--engine", "inprocess", "--api-keys-file", str(work / "keys"), "--data-dir", str(data_dir)]
-        if database_url:
-            self.args += ["--database-url", database_url]
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-
-    @property
-    def log_path(self) -> Path:
-        return self.work / f"{self.name}-{self.starts}.log"
-
-    def start(self) -> "Platform":
-        self.starts += 1
-        with open(self.log_path, "w") as log:
-            # Its own process group: a kill -9 takes the engine processes with it, as a container's would.
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SWIFTKV_API_KEYS": ""},
-                                         start_new_session=True)
-        return self
-
-    def wait_ready(self, timeout: float = 420) -> "Platform":
-        deadline = time.time() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"swiftkv serve exited with {self.proc.returncode}:\n{self.log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{self.base}/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"not ready after {timeout} s:\n{self.log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
-
-    def kill9(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError):  # whatever is left of the group (engine processes)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def client(self, key: str = KEY_A) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=key, max_retries=0, timeout=120)
-
-
 BATCH = {"completion_windows": {"24h": 86400, "5s": 5}, "max_in_flight": 4, "lease_seconds": 3, "poll_seconds": 0.2,
          "max_file_bytes": 8_000_000}
 
 
 @pytest.fixture(scope="module")
-def platform(tiny_base, tiny_swiftkv, tmp_path_factory):
-    work = tmp_path_factory.mktemp("batch")
-    pools = {"prefill": {"model": str(tiny_swiftkv), "engine_args": engine_args()},
-             "decode": {"model": str(tiny_base), "engine_args": engine_args()}}
-    p = Platform(work, "shared", pools, BATCH, work / "data").start()
-    try:
-        yield p.wait_ready()
-    finally:
-        p.stop()
+def served(tiny_base, tmp_path_factory):
+    """The gateway with the Batch API over two pools of fake engines that answer max_tokens tokens (as with
+    ignore_eos), 50 every 0.2 s: a line of 400 tokens takes 1.6 s, so a batch of many is still running when cancelled
+    or expired, whatever the machine."""
+    cfg = platform_config(tiny_base, max_model_len=MAX_MODEL_LEN, model=PUBLIC, data_dir=str(tmp_path_factory.mktemp("batch")),
+                          routing={"ratio_threshold": 4.0}, limits={"max_body_bytes": 200_000}, batch=BATCH)
+    gw = InProcessGateway(cfg, {name: FakeBackend(name, tokens=None, chunk=50, delay=0.2) for name in cfg.pools}, keys=(KEY_A, KEY_B))
+    with ThreadedServer(gw) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
-def client(platform) -> openai.OpenAI:
-    return platform.client()
-
-
-# ---- helpers -----------------------------------------------------------------------------------------
-def jsonl(items) -> bytes:
-    return b"".join((i if isinstance(i, bytes) else json.dumps(i).encode()) + b"\n" for i in items)
-
-
-def chat_line(custom_id: str, content: str = "Say something.", max_tokens: int = 8, **extra) -> dict:
-    body = {"model": PUBLIC, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "ignore_eos": True} | extra
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
-
-
-def upload(client: openai.OpenAI, items, purpose: str = "batch") -> str:
-    return client.files.create(file=("requests.jsonl", jsonl(items)), purpose=purpose).id
-
-
-def submit(client: openai.OpenAI, items, window: str = "24h", endpoint: str = "/v1/chat/completions", **kw):
-    return client.batches.create(input_file_id=upload(client, items), endpoint=endpoint, completion_window=window, **kw)
-
-
-def wait_for(client: openai.OpenAI, batch_id: str, until, timeout: float = 300):
-    deadline = time.time() + timeout
-    while True:
-        b = client.batches.retrieve(batch_id)
-        if until(b):
-            return b
-        assert time.time() < deadline, f"batch {batch_id} still {b.status} ({b.request_counts})"
-        time.sleep(0.2)
-
-
-def finished(client: openai.OpenAI, batch_id: str, timeout: float = 300):
-    return wait_for(client, batch_id, lambda b: b.status in ("completed", "failed", "expired", "cancelled"), timeout)
-
-
-def read_jsonl(client: openai.OpenAI, file_id: str | None) -> list[dict]:
-    if file_id is None:
-        return []
-    return [json.loads(line) for line in client.files.content(file_id).content.splitlines()]
-
-
-def every_line_once(client: openai.OpenAI, b, custom_ids: list[str]) -> tuple[dict, dict]:
-    """Output and error files by custom_id; each input custom_id appears exactly once across both."""
-    out, err = read_jsonl(client, b.output_file_id), read_jsonl(client, b.error_file_id)
-    seen = [line["custom_id"] for line in out + err]
-    assert sorted(seen) == sorted(custom_ids), "every custom_id exactly once"
-    return {line["custom_id"]: line for line in out}, {line["custom_id"]: line for line in err}
-
-
-def scrape(base: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY_A}"}).text.splitlines():
-        if line and not line.startswith("#"):
-            series, value = line.rsplit(" ", 1)
-            out[series] = float(value)
-    return out
-
-
-def metric(samples: dict[str, float], name: str, **labels) -> float:
-    """Sum of the series of `name` carrying these labels."""
-    want = {f'{k}="{v}"' for k, v in labels.items()}
-    total = 0.0
-    for series, value in samples.items():
-        m = re.match(r"([^{]+)(?:\{(.*)\})?$", series)
-        if m.group(1) == name and want <= set(re.findall(r'\w+="[^"]*"', m.group(2) or "")):
-            total += value
-    return total
+def client(served) -> openai.OpenAI:
+    return served.client(KEY_A, timeout=120)
 
 
 # ---- the API -----------------------------------------------------------------------------------------
-def test_batch_runs_every_line_through_the_gateway(platform, client):
+@pytest.mark.engine
+def test_batch_runs_every_line_through_the_gateway(platform):
+    """Every line through the real engines (both pools, by ratio and pinned), the refused ones in the error file."""
+    client = platform.client(KEY)
     before = scrape(platform.base)
     good = [chat_line(f"heavy-{i}", LONG, max_tokens=4) for i in range(5)] + \
            [chat_line(f"light-{i}", "Hi", max_tokens=24) for i in range(4)] + \
@@ -281,7 +154,7 @@ def test_malformed_files_fail_the_batch_naming_the_lines(client):
     assert [(e.line, e.code) for e in errors] == [(50_001, "too_many_requests")] and "50000" in errors[0].message
 
 
-def test_bad_requests_are_4xx(platform, client):
+def test_bad_requests_are_4xx(served, client):
     with pytest.raises(openai.APIStatusError, match="limited to 8000000 bytes"):
         client.files.create(file=("big.jsonl", b"x" * 8_100_000), purpose="batch")
     with pytest.raises(openai.BadRequestError, match="purpose"):
@@ -308,7 +181,7 @@ def test_bad_requests_are_4xx(platform, client):
     for method, path, kwargs in [("POST", "/v1/batches", {"content": b"{not json"}), ("POST", "/v1/batches", {"json": [1]}),
                                  ("POST", "/v1/files", {"data": {"purpose": "batch"}}), ("POST", "/v1/files", {"json": {"purpose": "batch"}}),
                                  ("GET", "/v1/batches?limit=0", {}), ("GET", "/v1/batches?limit=abc", {}), ("GET", "/v1/files?order=up", {})]:
-        r = httpx.request(method, platform.base + path, headers=auth, **kwargs)
+        r = httpx.request(method, served.base + path, headers=auth, **kwargs)
         assert r.status_code == 400 and r.json()["error"]["message"], (path, r.status_code, r.text)
 
 
@@ -328,12 +201,12 @@ def test_files_and_batches_list_with_pagination(client):
         client.batches.cancel(batches[0])  # completed: nothing to cancel
 
 
-# Batches that must still be running when cancelled or expired hold far more tokens than any CPU decodes
-# in a test's time (2,000 lines of 400 tokens), so the outcome does not depend on the machine's speed.
+# Batches that must still be running when cancelled or expired hold far more lines than the fake engines answer in a
+# test's time (2,000 lines of 400 tokens, 1.6 s each, 8 at a time), so the outcome does not depend on the machine's speed.
 LONG_LINES, LONG_TOKENS = 2000, 400
 
 
-def test_cancel_stops_new_lines_and_keeps_partial_output(platform, client):
+def test_cancel_stops_new_lines_and_keeps_partial_output(served, client):
     lines = [chat_line(f"c{i}", "Tell a long story.", max_tokens=LONG_TOKENS) for i in range(LONG_LINES)]
     b = submit(client, lines)
     wait_for(client, b.id, lambda x: x.request_counts.completed >= 2)
@@ -341,7 +214,7 @@ def test_cancel_stops_new_lines_and_keeps_partial_output(platform, client):
     # it until it shows work in flight, and check every sample against the bound.
     deadline = time.time() + 60
     while True:
-        m = scrape(platform.base)
+        m = scrape(served.base)
         assert metric(m, "swiftkv_batch_requests_in_flight") <= 2 * BATCH["max_in_flight"]
         assert all(metric(m, "swiftkv_batch_requests_in_flight", pool=pool) <= BATCH["max_in_flight"] for pool in ("prefill", "decode"))
         if metric(m, "swiftkv_batch_requests_in_flight") >= 1:
@@ -356,7 +229,7 @@ def test_cancel_stops_new_lines_and_keeps_partial_output(platform, client):
     live = client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                           extra_body={"ignore_eos": True})  # live traffic is served beside the batch
     assert live.usage.completion_tokens == 3
-    assert metric(scrape(platform.base), "swiftkv_requests_total", source="live", status="ok") >= 1
+    assert metric(scrape(served.base), "swiftkv_requests_total", source="live", status="ok") >= 1
     c = client.batches.cancel(b.id)
     assert c.status in ("cancelling", "cancelled") and c.cancelling_at
     b = finished(client, b.id, timeout=60)
@@ -367,7 +240,7 @@ def test_cancel_stops_new_lines_and_keeps_partial_output(platform, client):
     assert {e["error"]["code"] for e in err.values()} == {"batch_cancelled"} and all(e["response"] is None for e in err.values())
     assert client.batches.cancel(b.id).status == "cancelled"  # cancelling again is harmless
     deadline = time.time() + 10  # nothing left to run: the backlog gauge falls back to 0
-    while metric(scrape(platform.base), "swiftkv_batch_oldest_pending_age_seconds") != 0:
+    while metric(scrape(served.base), "swiftkv_batch_oldest_pending_age_seconds") != 0:
         assert time.time() < deadline, "the backlog gauge stays above 0 with no batch pending"
         time.sleep(0.2)
 
@@ -385,8 +258,8 @@ def test_expired_batch_keeps_the_lines_done(client):
     assert {e["error"]["code"] for e in err.values()} == {"batch_expired"}
 
 
-def test_a_key_sees_only_its_own_files_and_batches(platform, client):
-    other = platform.client(KEY_B)
+def test_a_key_sees_only_its_own_files_and_batches(served, client):
+    other = served.client(KEY_B)
     mine = submit(client, [chat_line("a", max_tokens=2)])
     file_id = mine.input_file_id
     for call in (lambda: other.files.retrieve(file_id), lambda: other.files.content(file_id), lambda: other.files.delete(file_id),
@@ -402,8 +275,8 @@ def test_a_key_sees_only_its_own_files_and_batches(platform, client):
         other.files.content(done.output_file_id)
     assert finished(other, theirs.id).status == "completed"
     with pytest.raises(openai.AuthenticationError):
-        platform.client("sk-wrong").files.list()
-    assert httpx.get(f"{platform.base}/v1/batches").status_code == 401
+        served.client("sk-wrong").files.list()
+    assert httpx.get(f"{served.base}/v1/batches").status_code == 401
 
 
 def test_batch_work_yields_to_live_traffic_on_a_pool():
@@ -453,84 +326,6 @@ def test_batch_work_yields_to_live_traffic_on_a_pool():
     asyncio.run(run())
 
 
-class GatedBackend:
-    """An engine stand-in for the runner's side of preemption: batch requests (priority > 0) wait before their
-    first token until `gate` opens, live ones answer at once; it counts the requests aborted while waiting."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.gate = asyncio.Event()
-        self.waiting = self.aborted = self.served = 0
-
-    async def generate(self, request):
-        from services.serving.backend import ChoiceDelta, Output
-
-        if request.priority > 0:
-            self.waiting += 1
-            try:
-                await self.gate.wait()
-            except (asyncio.CancelledError, GeneratorExit):
-                self.aborted += 1
-                raise
-            finally:
-                self.waiting -= 1
-        self.served += 1
-        yield Output([ChoiceDelta(0, "x", 1, "length")])
-
-    async def health(self) -> bool:
-        return True
-
-
-def gated_gateway(tiny_base, data_dir, batch: dict | None = None, keys: tuple[str, ...] = (), **platform):
-    """A gateway with the Batch API over a SwiftKV pool ("prefill") and a base pool ("decode") of GatedBackends;
-    `batch` overrides batch settings, `keys` are the API keys (none: no key needed)."""
-    from services.batch.service import BatchService
-    from services.gateway.app import Gateway, create_app
-    from services.gateway.auth import KeyStore, load_keys
-    from services.gateway.prompts import Prompter
-    from services.serving.config import PlatformConfig
-
-    pool_cfg = {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}
-    cfg = PlatformConfig(model="m", data_dir=str(data_dir), pools={"prefill": pool_cfg, "decode": pool_cfg},
-                         batch={"max_in_flight": 3, "min_in_flight": 1, "live_quiet_seconds": 60, "poll_seconds": 0.1} | (batch or {}),
-                         **platform)
-    backends = {"prefill": GatedBackend("prefill"), "decode": GatedBackend("decode")}
-    gateway = Gateway(cfg, backends, Prompter(str(tiny_base)), KeyStore(load_keys(",".join(keys), None)))
-    for pool in gateway.pools.values():
-        pool.ready = True
-    service = BatchService(cfg)
-    service.attach(gateway)
-    return backends, service, create_app(gateway, [service])
-
-
-PROMPT_HEAVY = {"model": "m", "prompt": "hello " * 20, "max_tokens": 1}  # the ratio picks the SwiftKV pool ("prefill")
-
-
-@contextlib.asynccontextmanager
-async def running(service, app, host: str = "gw"):
-    """The batch service started, and a client of its gateway app; the service stopped after."""
-    await service.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=f"http://{host}") as c:
-            yield c
-    finally:
-        await service.stop()
-
-
-async def until(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
-async def start_batch(c: httpx.AsyncClient, lines: int = 3) -> dict:
-    data = "".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions", "body": PROMPT_HEAVY}) + "\n"
-                   for i in range(lines))
-    f = (await c.post("/v1/files", files={"file": ("in.jsonl", data.encode())}, data={"purpose": "batch"})).json()
-    return (await c.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"})).json()
-
-
 async def completes_every_line_once(c: httpx.AsyncClient, batch: dict) -> None:
     async def completed():
         nonlocal batch
@@ -561,7 +356,7 @@ def test_a_live_request_aborts_batch_prefills_on_its_pool_and_their_lines_run_ag
     (min_in_flight 1 stays), run again on the quiet base-model pool, and the batch completes with every line once."""
     from prometheus_client import REGISTRY
 
-    backends, service, app = gated_gateway(tiny_base, tmp_path)
+    backends, gw = gated_gateway(tiny_base, tmp_path)
     preempted = lambda: REGISTRY.get_sample_value("swiftkv_batch_requests_preempted_total", {"pool": "prefill"}) or 0.0  # noqa: E731
 
     def batch_requests(status: str) -> float:
@@ -573,7 +368,7 @@ def test_a_live_request_aborts_batch_prefills_on_its_pool_and_their_lines_run_ag
         before = preempted()
         aborted, disconnected = batch_requests("aborted"), batch_requests("client_disconnect")
         backends["decode"].gate.set()
-        async with running(service, app) as c:
+        async with gw.running() as c:
             batch = await start_batch(c)
             await live_request_moves_two_prefills(backends, c)
             assert (backends["prefill"].aborted, backends["prefill"].waiting, preempted()) == (2, 1, before + 2)
@@ -593,14 +388,14 @@ def test_batch_work_makes_way_for_live_traffic_at_another_gateway_process(tiny_b
 
     from services.batch.live import CHANNEL
 
-    a_backends, a_service, a_app = gated_gateway(tiny_base, tmp_path / "a", redis_url="redis://127.0.0.1:6379/0")
-    b_backends, b_service, b_app = gated_gateway(tiny_base, tmp_path / "b", redis_url="redis://127.0.0.1:6379/0")
+    a_backends, a_gw = gated_gateway(tiny_base, tmp_path / "a", redis_url="redis://127.0.0.1:6379/0")
+    b_backends, b_gw = gated_gateway(tiny_base, tmp_path / "b", redis_url="redis://127.0.0.1:6379/0")
     subscribers = redis.Redis.from_url("redis://127.0.0.1:6379/0")
     listening = subscribers.pubsub_numsub(CHANNEL)[0][1]
 
     async def run():
         b_backends["decode"].gate.set()
-        async with running(a_service, a_app, "a") as a, running(b_service, b_app, "b") as b:
+        async with a_gw.running(host="a") as a, b_gw.running(host="b") as b:
             async def subscribed():
                 return subscribers.pubsub_numsub(CHANNEL)[0][1] >= listening + 2
             await until(subscribed)
@@ -618,11 +413,11 @@ def test_an_unreachable_redis_leaves_each_process_its_own_live_traffic(tiny_base
     sharing off (swiftkv_batch_live_traffic_shared 0) and stops cleanly."""
     from prometheus_client import REGISTRY
 
-    backends, service, app = gated_gateway(tiny_base, tmp_path, redis_url="redis://127.0.0.1:1/0")
+    backends, gw = gated_gateway(tiny_base, tmp_path, redis_url="redis://127.0.0.1:1/0")
 
     async def run():
         backends["decode"].gate.set()
-        async with running(service, app) as c:
+        async with gw.running() as c:
             batch = await start_batch(c)
             await live_request_moves_two_prefills(backends, c)
             assert REGISTRY.get_sample_value("swiftkv_batch_live_traffic_shared") == 0
@@ -632,12 +427,28 @@ def test_an_unreachable_redis_leaves_each_process_its_own_live_traffic(tiny_base
     asyncio.run(run())
 
 
-# ---- crashes -----------------------------------------------------------------------------------------
+# ---- crashes ----------------------------------------------------------------------------------------
 SLOW_BATCH = BATCH | {"max_in_flight": 2, "lease_seconds": 2}
 
 
-def decode_only(tiny_base) -> dict:
-    return {"decode": {"model": str(tiny_base), "engine_args": engine_args()}}
+@pytest.fixture(scope="module")
+def upstream(tiny_base, tmp_path_factory):
+    """The pool the crashing gateways send their lines to, as a remote OpenAI server: an in-process gateway over a fake
+    engine that answers max_tokens tokens, 10 every 0.05 s (a line of 100 tokens takes half a second)."""
+    cfg = platform_config(tiny_base, pools=("decode",), max_model_len=MAX_MODEL_LEN, model="upstream",
+                          data_dir=str(tmp_path_factory.mktemp("upstream")))
+    with ThreadedServer(InProcessGateway(cfg, {"decode": FakeBackend("decode", tokens=None, chunk=10, delay=0.05)}, batch=False)) as server:
+        yield server
+
+
+def crash_platform(work: Path, name: str, upstream, tiny_base, data_dir: Path, database_url: str | None = None):
+    """A `swiftkv serve` process with the Batch API and one pool, `upstream`, as a remote server (not started)."""
+    (work / "keys").write_text(f"{KEY_A}\n{KEY_B}\n")
+    config = {"model": PUBLIC, "pools": {"decode": {"backend": "remote", "url": f"{upstream.base}/v1", "model": str(tiny_base),
+                                                    "served_model_name": "upstream", "engine_args": {"max_model_len": MAX_MODEL_LEN}}},
+              "batch": SLOW_BATCH}
+    args = ["--engine", "inprocess", "--api-keys-file", str(work / "keys"), "--data-dir", str(data_dir)]
+    return swiftkv_serve(work, config, *args, *(["--database-url", database_url] if database_url else []), name=name)
 
 
 def batch_lines(n: int) -> list[dict]:
@@ -645,10 +456,10 @@ def batch_lines(n: int) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_kill_9_mid_batch_then_restart_resumes_exactly_once(tiny_base, tmp_path):
-    p = Platform(tmp_path, "crash", decode_only(tiny_base), SLOW_BATCH, tmp_path / "data").start().wait_ready()
-    try:
-        client = p.client()
+def test_kill_9_mid_batch_then_restart_resumes_exactly_once(upstream, tiny_base, tmp_path):
+    with crash_platform(tmp_path, "crash", upstream, tiny_base, tmp_path / "data") as p:
+        p.start().wait(timeout=120)
+        client = p.client(KEY_A)
         lines = batch_lines(80)
         b = submit(client, lines)
         wait_for(client, b.id, lambda x: x.request_counts.completed >= 3)
@@ -658,14 +469,12 @@ def test_kill_9_mid_batch_then_restart_resumes_exactly_once(tiny_base, tmp_path)
             committed = conn.execute(text("SELECT count(*) FROM swiftkv_batch_results WHERE batch_id = :id"), {"id": b.id}).scalar_one()
         db.dispose()
         assert committed < len(lines), "the batch finished before the kill: give it more lines"
-        p.start().wait_ready()
+        p.start().wait(timeout=120)
         b = finished(client, b.id)
         assert b.status == "completed" and b.request_counts.completed == len(lines) and b.request_counts.failed == 0
         every_line_once(client, b, [x["custom_id"] for x in lines])
         # The restarted process served exactly what was not committed, once each: not the whole batch again.
         assert metric(scrape(p.base), "swiftkv_requests_total", source="batch", status="ok") == len(lines) - committed
-    finally:
-        p.stop()
 
 
 @pytest.fixture
@@ -675,13 +484,15 @@ def pg_database():
 
 
 @pytest.mark.slow
-def test_two_gateways_on_postgres_share_work_and_take_over_from_a_dead_one(tiny_base, tmp_path, pg_database):
+def test_two_gateways_on_postgres_share_work_and_take_over_from_a_dead_one(upstream, tiny_base, tmp_path, pg_database):
     data = tmp_path / "data"  # the shared file store (a PVC in a cluster)
-    gateways = [Platform(tmp_path, f"gw{i}", decode_only(tiny_base), SLOW_BATCH, data, pg_database) for i in range(2)]
+    gateways = [crash_platform(tmp_path, f"gw{i}", upstream, tiny_base, data, pg_database) for i in range(2)]
     try:
-        for g in gateways:  # one at a time: engines compete for the same cores while they start
-            g.start().wait_ready()
-        client = gateways[0].client()
+        for g in gateways:
+            g.start()
+        for g in gateways:
+            g.wait(timeout=120)
+        client = gateways[0].client(KEY_A)
         lines = batch_lines(40)
         b = submit(client, lines)
         b = wait_for(client, b.id, lambda x: x.request_counts.completed >= 6)
@@ -694,9 +505,9 @@ def test_two_gateways_on_postgres_share_work_and_take_over_from_a_dead_one(tiny_
         assert holder_pid in pids
         dead, alive = (gateways[0], gateways[1]) if holder_pid == pids[0] else (gateways[1], gateways[0])
         dead.kill9()
-        b = finished(alive.client(), b.id)  # the survivor takes the lapsed lease and finishes
+        b = finished(alive.client(KEY_A), b.id)  # the survivor takes the lapsed lease and finishes
         assert b.status == "completed" and b.request_counts.completed == 40 and b.request_counts.failed == 0
-        every_line_once(alive.client(), b, [x["custom_id"] for x in lines])
+        every_line_once(alive.client(KEY_A), b, [x["custom_id"] for x in lines])
         assert metric(scrape(alive.base), "swiftkv_requests_total", source="batch", status="ok") >= 1
     finally:
         for g in gateways:
@@ -705,8 +516,8 @@ def test_two_gateways_on_postgres_share_work_and_take_over_from_a_dead_one(tiny_
 
 # ---- settings ----------------------------------------------------------------------------------------
 def test_store_settings_from_yaml_env_and_flags(tiny_base, tmp_path, monkeypatch):
-    from services.serve import ServeSettings
-    from services.serving.config import load_config
+    from services.config import load_config
+    from services.platform import ServeSettings
 
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({"pools": {"decode": {"model": str(tiny_base)}}, "data_dir": "/srv/a",
@@ -722,6 +533,7 @@ def test_store_settings_from_yaml_env_and_flags(tiny_base, tmp_path, monkeypatch
         BatchConfig(max_in_flight=1, min_in_flight=2)
 
 
+@pytest.mark.slow
 def test_serve_refuses_an_unreachable_database(tiny_base, tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({"port": free_port(), "pools": {"decode": {"model": str(tiny_base)}}}))

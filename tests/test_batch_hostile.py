@@ -1,5 +1,5 @@
 """The Batch API runner against hostile input and races, in process: the gateway and its Batch API over
-stand-in engines (`GatedBackend`), the real SQLite store and file store, the app through httpx."""
+the fake backend (harness.FakeBackend, gated), the real SQLite store and file store, the app through httpx."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import time
 
 import httpx
-from test_batch import PROMPT_HEAVY, gated_gateway, running, until
+from harness.batch import PROMPT_HEAVY, gated_gateway, until
 
 from services.batch import runner as runner_module
 
@@ -52,13 +52,13 @@ def test_a_line_nested_too_deep_fails_its_batch_and_the_runner_goes_on(tiny_base
     """A line nested 1,500 levels deep is a line error (it used to raise RecursionError in the runner, which took
     the same batch again every second, forever, holding a slot): its batch fails naming the line, and a batch
     submitted after it completes."""
-    backends, service, app = gated_gateway(tiny_base, tmp_path, batch={"max_active_batches": 1})
+    backends, gw = gated_gateway(tiny_base, tmp_path, batch={"max_active_batches": 1})
     nested = b'{"custom_id": "deep", "method": "POST", "url": "/v1/completions", "body": {"x": ' + b"[" * 1500 + b"]" * 1500 + b"}}"
 
     async def run():
         for b in backends.values():
             b.gate.set()
-        async with running(service, app) as c:
+        async with gw.running() as c:
             bad = await submit(c, [line("a"), nested])
             good = await submit(c, [line("b")])
             bad = await status_becomes(c, bad, "failed", "completed")
@@ -73,7 +73,7 @@ def test_a_line_nested_too_deep_fails_its_batch_and_the_runner_goes_on(tiny_base
 def test_a_batch_whose_processing_keeps_failing_ends_failed_after_max_attempts(tiny_base, tmp_path, monkeypatch):
     """Any unexpected error in a job (here: reading its input raises each time) is retried, but the
     batch.max_attempts-th failure in a row ends the batch `failed` with the reason, freeing its slot."""
-    backends, service, app = gated_gateway(tiny_base, tmp_path, batch={"max_active_batches": 1, "max_attempts": 3})
+    backends, gw = gated_gateway(tiny_base, tmp_path, batch={"max_active_batches": 1, "max_attempts": 3})
     calls = []
     real = runner_module.Job.read_input
 
@@ -88,7 +88,7 @@ def test_a_batch_whose_processing_keeps_failing_ends_failed_after_max_attempts(t
         nonlocal poisoned
         for b in backends.values():
             b.gate.set()
-        async with running(service, app) as c:
+        async with gw.running() as c:
             bad = await submit(c, [line("a")])
             poisoned = bad["input_file_id"]
             good = await submit(c, [line("b")])
@@ -107,13 +107,13 @@ def test_batch_lines_are_charged_to_the_key_and_wait_while_it_is_over_its_limit(
     """requests_per_minute 2: two lines run, the third waits (it neither fails nor runs) and the key's live
     requests get 429 meanwhile; once the bucket has refilled the line runs. A cancel while lines wait on the limit
     ends the batch `cancelled`, the lines done in the output file and the others in the error file in input order."""
-    backends, service, app = gated_gateway(tiny_base, tmp_path, limits={"requests_per_minute": 2})
-    bucket = lambda: service.gateway.limiter.buckets["anonymous"]["requests"]  # noqa: E731
+    backends, gw = gated_gateway(tiny_base, tmp_path, limits={"requests_per_minute": 2})
+    bucket = lambda: gw.gateway.limiter.buckets["anonymous"]["requests"]  # noqa: E731
 
     async def run():
         for b in backends.values():
             b.gate.set()
-        async with running(service, app) as c:
+        async with gw.running() as c:
             batch = await submit(c, [line(f"x{i}") for i in range(3)])
 
             async def two_done():
@@ -147,18 +147,18 @@ def test_batch_lines_are_charged_to_the_key_and_wait_while_it_is_over_its_limit(
 def test_a_cancel_after_the_last_line_is_not_overwritten_by_completion(tiny_base, tmp_path, monkeypatch):
     """The cancel arrives after every line finished, before the runner moves the batch to finalizing: the batch
     ends `cancelled` (never `completed`), with every result kept, as OpenAI keeps a cancelled batch's results."""
-    backends, service, app = gated_gateway(tiny_base, tmp_path)
+    backends, gw = gated_gateway(tiny_base, tmp_path)
     real = runner_module.Job.finalize
 
     async def finalize(job, lines, final):
-        await job.runner.io(service.store.request_cancel, job.batch["owner"], job.id, int(time.time()))  # the race, made certain
+        await job.runner.io(gw.service.store.request_cancel, job.batch["owner"], job.id, int(time.time()))  # the race, made certain
         await real(job, lines, final)
     monkeypatch.setattr(runner_module.Job, "finalize", finalize)
 
     async def run():
         for b in backends.values():
             b.gate.set()
-        async with running(service, app) as c:
+        async with gw.running() as c:
             batch = await status_becomes(c, await submit(c, [line(f"l{i}") for i in range(3)]), "cancelled", "completed")
             assert batch["status"] == "cancelled" and batch["cancelled_at"] and batch["completed_at"] is None
             assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
@@ -170,7 +170,7 @@ def test_a_cancel_after_the_last_line_is_not_overwritten_by_completion(tiny_base
 
 def test_a_cancel_while_finalizing_is_refused_and_the_batch_completes(tiny_base, tmp_path, monkeypatch):
     """Once the batch is finalizing, a cancel answers 409 and the batch ends `completed`: the answer matches the end."""
-    backends, service, app = gated_gateway(tiny_base, tmp_path)
+    backends, gw = gated_gateway(tiny_base, tmp_path)
     writing, release = threading.Event(), threading.Event()
     real = runner_module.Job.write_outputs
 
@@ -183,7 +183,7 @@ def test_a_cancel_while_finalizing_is_refused_and_the_batch_completes(tiny_base,
     async def run():
         for b in backends.values():
             b.gate.set()
-        async with running(service, app) as c:
+        async with gw.running() as c:
             batch = await submit(c, [line("l0")])
 
             async def finalizing():
@@ -200,10 +200,10 @@ def test_a_cancel_while_finalizing_is_refused_and_the_batch_completes(tiny_base,
 def test_one_keys_batches_never_take_every_runner_slot(tiny_base, tmp_path):
     """max_active_batches 2, key A's two batches hang on the engine: A's second waits and key B's batch, sent
     after it, takes the last slot (claims used to be global FIFO, so A's batches held every slot)."""
-    backends, service, app = gated_gateway(tiny_base, tmp_path, batch={"max_active_batches": 2}, keys=(KEY_A, KEY_B))
+    backends, gw = gated_gateway(tiny_base, tmp_path, batch={"max_active_batches": 2}, keys=(KEY_A, KEY_B))
 
     async def run():
-        async with running(service, app) as c:
+        async with gw.running() as c:
             a1 = await submit(c, [line("a1")], KEY_A)
             await status_becomes(c, a1, "in_progress", key=KEY_A)
             a2 = await submit(c, [line("a2")], KEY_A)
@@ -222,7 +222,7 @@ def test_one_keys_batches_never_take_every_runner_slot(tiny_base, tmp_path):
 def test_a_batch_whose_files_failed_once_to_be_written_completes_on_the_next_attempt(tiny_base, tmp_path, monkeypatch):
     """Writing the output files fails once, with the batch already `finalizing`: the retry finishes it (a
     finalizing batch taken again is finalized again, not left stuck)."""
-    backends, service, app = gated_gateway(tiny_base, tmp_path)
+    backends, gw = gated_gateway(tiny_base, tmp_path)
     real, failures = runner_module.Job.write_outputs, []
 
     def write_outputs(job, lines, final):
@@ -235,7 +235,7 @@ def test_a_batch_whose_files_failed_once_to_be_written_completes_on_the_next_att
     async def run():
         for b in backends.values():
             b.gate.set()
-        async with running(service, app) as c:
+        async with gw.running() as c:
             batch = await status_becomes(c, await submit(c, [line("l0"), line("l1")]), "completed", "failed")
             assert batch["status"] == "completed" and failures == ["completed"]
             assert sorted(x["custom_id"] for x in await contents(c, batch["output_file_id"])) == ["l0", "l1"]
@@ -245,10 +245,10 @@ def test_a_batch_whose_files_failed_once_to_be_written_completes_on_the_next_att
 
 def test_an_expired_batch_lists_every_line_not_run_in_input_order(tiny_base, tmp_path):
     """The window ends while the engine holds every line: `expired`, each line in the error file once, in order."""
-    backends, service, app = gated_gateway(tiny_base, tmp_path, batch={"completion_windows": {"1s": 1}})
+    backends, gw = gated_gateway(tiny_base, tmp_path, batch={"completion_windows": {"1s": 1}})
 
     async def run():
-        async with running(service, app) as c:
+        async with gw.running() as c:
             f = await c.post("/v1/files", files={"file": ("in.jsonl", b"\n".join(line(f"l{i}") for i in range(4)))},
                              data={"purpose": "batch"})
             batch = (await c.post("/v1/batches", json={"input_file_id": f.json()["id"], "endpoint": "/v1/completions",

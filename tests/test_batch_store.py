@@ -12,9 +12,10 @@ import tracemalloc
 import pytest
 from sqlalchemy import text
 
-from services.batch.files import FileStore, FileTooLarge
-from services.batch.jsonl import parse_input, read_body
-from services.batch.store import BatchStore, new_id
+from services.batch.batch_input import parse_input, read_body
+from services.batch.store import BatchStore
+from services.common.files import FileStore, FileTooLarge
+from services.common.ids import new_id
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

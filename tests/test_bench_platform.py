@@ -127,6 +127,7 @@ def swiftkv(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
+@pytest.mark.slow
 def test_cli_refuses_bad_options(tiny_base, tmp_path):
     r = swiftkv("--workload", "burst", "--base-model", str(tiny_base), "--swiftkv-model", str(tiny_base), "--text", str(tmp_path))
     assert r.returncode == 2 and "--workload: unknown 'burst'" in r.stderr
@@ -148,6 +149,7 @@ def test_cli_refuses_bad_options(tiny_base, tmp_path):
 
 @needs_manpages
 @pytest.mark.slow
+@pytest.mark.engine
 def test_platform_run_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
     out = tmp_path / "report.json"
     r = swiftkv("--workload", "mixed", "--rate", "2", "--rate", "4", "--count", "8", "--scale", "0.1",
@@ -205,6 +207,7 @@ def running(tiny_base, tiny_swiftkv, tmp_path_factory):
 
 @needs_manpages
 @pytest.mark.slow
+@pytest.mark.engine
 def test_platform_run_against_a_target(running, tiny_base, corpus, tmp_path):
     r = swiftkv("--target", running, "--target-model", "swiftkv-bench", "--tokenizer", str(tiny_base), "--workload", "chat",
                 "--rate", "4", "--count", "6", "--scale", "0.1", "--text", str(corpus), "--json", "--no-progress",
@@ -222,6 +225,7 @@ def test_platform_run_against_a_target(running, tiny_base, corpus, tmp_path):
 
 @needs_manpages
 @pytest.mark.slow
+@pytest.mark.engine
 def test_crosscheck_with_guidellm(running, tiny_base, corpus, tmp_path):
     """Both tools against the same server, same count, rate and lengths: each completes every request, the
     server's usage shows the same lengths for both, and the figures are of the same order (the 10% agreement is
@@ -263,6 +267,7 @@ def test_crosscheck_with_guidellm(running, tiny_base, corpus, tmp_path):
 
 
 @needs_manpages
+@pytest.mark.engine
 def test_span_starts_at_the_first_send(running, corpus, tokenizer):
     """Throughput is counted from the first request sent, as guidellm counts it: requests arriving 5 s into the
     run do not add those 5 idle seconds to the span."""
@@ -285,6 +290,7 @@ def soak(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env)
 
 
+@pytest.mark.slow
 def test_soak_refuses_bad_options(tiny_base):
     models = ("--base-model", str(tiny_base), "--swiftkv-model", str(tiny_base))
     r = soak("--rate", "1", "--duration", "10", "--interval", "60", *models)
@@ -299,6 +305,7 @@ def test_soak_refuses_bad_options(tiny_base):
 
 @needs_manpages
 @pytest.mark.slow
+@pytest.mark.engine
 def test_soak_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
     """A 20-second soak of the routed configuration sampled every 5 s: four rows of gateway and engine RSS and
     fds, TTFT and requests, no error, the trend and verdict, the PNG and the markdown table."""
@@ -336,6 +343,7 @@ def test_soak_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
 
 @needs_manpages
 @pytest.mark.slow
+@pytest.mark.engine
 def test_soak_stops_the_platform_on_ctrl_c(tiny_base, tiny_swiftkv, corpus, tmp_path):
     """SIGINT after the first row: the gateway and its engines are stopped, the rows so far are written, exit 130."""
     import signal

@@ -8,6 +8,7 @@ from swiftkv_core.config import (
     LlamaSwiftKVConfig,
     SwiftKVConfigError,
     check_swiftkv_layout,
+    default_num_key_value_layers,
     swiftkv_config_from_base,
 )
 
@@ -72,3 +73,40 @@ def test_bad_layout_names_field_and_allowed_values(l, g, field, hint):
     with pytest.raises(Exception) as err:  # the config class validates on construction too
         LlamaSwiftKVConfig(**BASE, num_key_value_layers=l, key_value_group_size=g)
     assert field in str(err.value)
+
+
+def test_default_layout_is_half_the_layers():
+    assert default_num_key_value_layers(30) == 15 and default_num_key_value_layers(8) == 4
+    check_swiftkv_layout(8, default_num_key_value_layers(8), 1, require_swiftkv_layers=True)
+
+
+def test_distillation_layout_needs_a_later_layer():
+    check_swiftkv_layout(8, 8, 1)  # a config may switch SwiftKV off (l = L) ...
+    with pytest.raises(SwiftKVConfigError) as err:  # ... a distillation needs something to train
+        check_swiftkv_layout(8, 8, 1, require_swiftkv_layers=True)
+    assert err.value.field == "num_key_value_layers" and "[1, 7]" in str(err.value)
+    with pytest.raises(SwiftKVConfigError) as err:
+        check_swiftkv_layout(8, 5, 2)
+    assert err.value.field == "key_value_group_size"
+
+
+def test_engine_config_refusals_are_the_one_swiftkv_config_error(tiny_swiftkv):
+    """vLLM's engine-config hook raises the class every caller catches: one `except SwiftKVConfigError` covers a bad
+    checkpoint layout and a setting the engine refuses for SwiftKV models."""
+    import pydantic
+    from vllm.engine.arg_utils import EngineArgs
+
+    from swiftkv_core.vllm.engine_config import SwiftKVEngineConfig
+
+    def engine_config(**overrides):  # vLLM's own config for the checkpoint: no engine starts
+        return EngineArgs(model=str(tiny_swiftkv), dtype="float32", max_model_len=256, **overrides).create_engine_config()
+
+    config = engine_config()
+    config.cache_config.kv_offloading_size = 1.0
+    with pytest.raises(SwiftKVConfigError) as err:
+        SwiftKVEngineConfig.verify_and_update_config(config)
+    assert err.value.field == "kv_offloading_size" and "KV transfer" in str(err.value)
+    # Built through vLLM, the hook runs inside its pydantic config, which wraps the error: ours is its cause.
+    with pytest.raises(pydantic.ValidationError) as wrapped:
+        engine_config(kv_offloading_size=1.0)
+    assert isinstance(wrapped.value.errors()[0]["ctx"]["error"], SwiftKVConfigError)

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from services.cli import app
 from swiftkv_core.convert import ConversionError, convert
-from swiftkv_core.modeling import load_model
+from swiftkv_core.modeling_llama_swiftkv import load_model
 
 
 def _tensors(folder):

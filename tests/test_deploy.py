@@ -12,16 +12,13 @@ from __future__ import annotations
 import importlib
 import json
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from harness.deploy import CHART, ROOT, find, render, run, tool, values_args
 
-ROOT = Path(__file__).resolve().parents[1]
-CHART = ROOT / "deploy" / "helm" / "swiftkv"
 PRESETS = sorted((ROOT / "deploy" / "helm" / "presets").glob("*.yaml"))
 DOCKERFILES = sorted((ROOT / "docker").glob("*.Dockerfile"))
 CRDS = ROOT / "tests" / "deploy_crds"
@@ -29,33 +26,8 @@ K8S_VERSION = "1.33.0"
 VALUE_SETS = [None] + PRESETS  # None: the chart's defaults
 
 
-def tool(name: str) -> str:
-    """A tool from PATH, the venv or the npm prefix `make setup` uses; a failure naming the install step if absent (`make test` installs it)."""
-    for candidate in (shutil.which(name), Path(sys.executable).parent / name, ROOT / ".tools" / "node_modules" / ".bin" / name,
-                      ROOT / ".tools" / "prometheus" / "usr" / "bin" / name):
-        if candidate and Path(candidate).exists():
-            return str(candidate)
-    pytest.fail(f"{name} is not installed: run `make setup` (installs it from npm, Debian or PyPI)")
-
-
-def run(*args, check=True, **kwargs) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=120, **kwargs)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def values_args(values: Path | None) -> list[str]:
-    return [] if values is None else ["-f", str(values)]
-
-
 def ids(values):
     return "defaults" if values is None else values.stem
-
-
-def render(values: Path | None = None, *extra: str) -> list[dict]:
-    out = run(tool("helm"), "template", "swiftkv", CHART, "--namespace", "llm", *values_args(values), *extra).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
 def crd_validate(obj: dict, schema: dict) -> None:
@@ -66,10 +38,6 @@ def crd_validate(obj: dict, schema: dict) -> None:
     error = jsonschema.exceptions.best_match(jsonschema.Draft7Validator(schema).iter_errors(obj))
     if error is not None:
         raise error
-
-
-def find(objs: list[dict], kind: str, name_part: str = "") -> list[dict]:
-    return [o for o in objs if o["kind"] == kind and name_part in o["metadata"]["name"]]
 
 
 # --- the chart ---------------------------------------------------------------------------------------
@@ -141,7 +109,7 @@ def test_schema_check_fails_on_a_broken_object():
 @pytest.mark.parametrize("values", VALUE_SETS, ids=ids)
 def test_platform_config_is_what_swiftkv_serve_reads(values, tmp_path):
     """The ConfigMap's platform.yaml loads with the same code `swiftkv serve --config` uses."""
-    from services.serving.config import load_config
+    from services.config import load_config
 
     cm = find(render(values), "ConfigMap", "platform")[0]
     path = tmp_path / "platform.yaml"
@@ -580,6 +548,7 @@ def test_dockerfile_copies_and_entrypoints_exist(dockerfile):
     assert any(op == "USER" and not args.startswith(("0", "root")) for op, args in steps), "images run as non-root"
 
 
+@pytest.mark.slow
 def test_entry_points_the_chart_and_images_run():
     """Each command the chart and the images start parses its arguments here: the gateway and in-process
     engines, the models init container, the trainer, and a pool's vLLM server."""

@@ -1,4 +1,5 @@
-"""The dashboards and alerts against a real Prometheus scraping a live platform (slow: two tiny engines)."""
+"""The dashboards and alerts against a real Prometheus scraping a live platform (the run's shared engines: conftest's
+`platform`) and a live trainer."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_deploy import ROOT, find, render, tool
+from harness import free_port, wait_until
+from harness.deploy import ROOT, find, render, tool
+from harness.engines import KEY
+from harness.training import MODEL, QUICK, Trainer, create, records, wait_status
 
 
 def _promql_left_side(expr: str) -> str:
@@ -21,15 +25,14 @@ def _promql_left_side(expr: str) -> str:
 
 
 @pytest.mark.slow
-def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base, tiny_swiftkv, tmp_path):
+@pytest.mark.engine
+def test_every_panel_and_alert_query_returns_data_from_a_live_platform(platform, tiny_base, tmp_path):
     """Prometheus (Debian's binary, loopback) scrapes a live `swiftkv serve --engine inprocess` and a live
     `swiftkv trainer serve` on the tiny fixtures; after a short load (live requests to both pools, a rejected one,
     a batch, a four-step distillation job) every dashboard panel query and every alert expression, run through
     Prometheus's HTTP API, returns a series with a number."""
     import httpx
     import openai
-    from test_gateway import engine_args, free_port, launch, stop, wait_until
-    from test_training import MODEL, QUICK, Trainer, create, records, wait_status
 
     sys.path.insert(0, str(ROOT / "deploy" / "grafana"))
     try:
@@ -38,13 +41,7 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base
     finally:
         sys.path.pop(0)
     prometheus = tool("prometheus")
-    work = tmp_path / "serve"
-    work.mkdir()
-    config = {"model": "tiny", "port": free_port(), "data_dir": str(work / "data"),
-              "pools": {"prefill": {"model": str(tiny_swiftkv), "engine_args": engine_args()},
-                        "decode": {"model": str(tiny_base), "engine_args": engine_args()}},
-              "batch": {"poll_seconds": 0.2}}
-    proc, base = launch(work, config, "--engine", "inprocess", env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": ""})
+    base = platform.base
     trainer = Trainer(tmp_path, tmp_path / "trainer", tmp_path / "models", tiny_base)
     prom_port = free_port()
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
@@ -53,21 +50,20 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base
                            {"job_name": "swiftkv-trainer", "static_configs": [{"targets": [trainer.base.removeprefix("http://")]}]}]}))
     prom = None
     try:
-        # the trainer's job runs while the engines load
         trainer.start()
         trainer_client = trainer.client()
         job = create(trainer_client, MODEL, trainer_client.files.create(file=("train.jsonl", records()), purpose="fine-tune").id)
-        wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 420, "ready")
         with open(tmp_path / "prometheus.log", "w") as log:
             prom = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                                      f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=log, stderr=subprocess.STDOUT)
         api = f"http://127.0.0.1:{prom_port}/api/v1"
         # /-/ready answers 503 "Service Unavailable" (not JSON) while the TSDB opens: query only once it is ready
         ready = f"http://127.0.0.1:{prom_port}/-/ready"
-        wait_until(prom, tmp_path, lambda: httpx.get(ready, timeout=2).status_code == 200, 60, "ready")
-        wait_until(prom, tmp_path, lambda: httpx.get(f"{api}/query", params={"query": "up"}, timeout=2).json()["data"]["result"], 60, "scraping")
+        wait_until(lambda: httpx.get(ready, timeout=2).status_code == 200, 60, "ready", prom, lambda: (tmp_path / "prometheus.log").read_text())
+        wait_until(lambda: httpx.get(f"{api}/query", params={"query": "up"}, timeout=2).json()["data"]["result"], 60, "scraping", prom,
+                   lambda: (tmp_path / "prometheus.log").read_text())
 
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        client = platform.client(KEY)
         started = time.time()
         long_prompt = "Summarize the following notes about the river and the town. " * 12
         for i in range(4):  # prompt-heavy -> prefill, output-heavy -> decode, streamed and not
@@ -114,6 +110,4 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(tiny_base
         if prom is not None:
             prom.terminate()
             prom.wait(30)
-        if trainer.proc is not None:
-            trainer.stop()
-        stop(proc)
+        trainer.stop()

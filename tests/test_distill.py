@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 from conftest import TRAIN_TEXT
+from harness.training import distill_config as _cfg
 
 from swiftkv_core.config import SwiftKVConfigError
 from swiftkv_core.data import DataError
 from swiftkv_core.distill import (
-    DistillConfig,
     DistillError,
     build_student,
     distill,
@@ -23,13 +23,7 @@ from swiftkv_core.distill import (
     lstsq_init,
     trainable_parameters,
 )
-from swiftkv_core.modeling import load_model
-
-
-def _cfg(base, out, data, **kw) -> DistillConfig:
-    defaults = dict(num_key_value_layers=4, max_steps=6, batch_size=2, seq_len=32, lr=1e-2, progress=False, checkpoint_every=3, precision="fp32")
-    defaults.update(kw)
-    return DistillConfig(base=str(base), out=str(out), data=str(data), **defaults)
+from swiftkv_core.modeling_llama_swiftkv import load_model
 
 
 def test_trainable_set_is_exactly_the_swiftkv_tensors(tiny_base):
@@ -164,6 +158,7 @@ def test_lm_loss_full_layers_and_lstsq_run(tiny_base, train_text, tmp_path):
     assert not torch.equal(model.state_dict()[name], base.state_dict()[name])
 
 
+@pytest.mark.slow
 def test_lstsq_init_lowers_the_starting_kl(tiny_base, train_text):
     from transformers import AutoTokenizer
 
@@ -325,6 +320,7 @@ def test_cache_is_resumable_and_refuses_other_data(tiny_base, train_text, tmp_pa
         teacher_cache.build(tmp_path / "whole", tiny_base, data, [4], rows=9, progress=False)
 
 
+@pytest.mark.slow
 def test_a_cached_run_matches_the_uncached_run_and_resumes_exactly(tiny_base, train_text, tmp_path):
     plain = distill(_cfg(tiny_base, tmp_path / "plain", train_text))
     cached = distill(_cfg(tiny_base, tmp_path / "cached", train_text, cache=str(tmp_path / "cache")))

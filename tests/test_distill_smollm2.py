@@ -22,7 +22,7 @@ def test_shipped_tensors_are_small_and_documented():
 def test_default_swiftkv_model_assembles_and_answers(smollm2_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from swiftkv_core.modeling import load_model
+    from swiftkv_core.modeling_llama_swiftkv import load_model
     from swiftkv_core.shipped import assemble_from_trained
 
     out = assemble_from_trained(smollm2_dir, SHIPPED, tmp_path / DEFAULT_SWIFTKV_NAME)

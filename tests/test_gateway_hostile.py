@@ -1,4 +1,4 @@
-"""Hostile inputs against the gateway in-process (the real app and Gateway, a scripted backend, no engine): CPU work
+"""Hostile inputs against the gateway in-process (the real app and Gateway, the fake backend, no engine): CPU work
 kept off the event loop and charged before it runs, /tokenize and /detokenize under the same cap and limits, the
 per-key limits in the real Redis at 127.0.0.1:6379 without blocking the loop, the bound on a non-streamed answer,
 small inputs that used to escape validation, structured-output constraints checked at the edge, and OpenAI's
@@ -15,46 +15,22 @@ from types import SimpleNamespace as NS
 
 import httpx
 import pytest
+from harness import FakeBackend
 
+from services.common.keys import KeyStore, digest
+from services.config import PlatformConfig
 from services.gateway.app import Gateway, create_app
-from services.gateway.auth import KeyStore, RedisRateLimiter, digest
 from services.gateway.prompts import Prompter
-from services.serving.backend import BackendError, ChoiceDelta, GenerateRequest, Output, SamplingOptions, TokenLogprob
-from services.serving.config import PlatformConfig
+from services.gateway.rate_limits import RedisRateLimiter
+from services.serving.backend import BackendError, GenerateRequest, SamplingOptions
 from services.serving.engine import VLLMEngine, _logprobs
 
 REDIS = "redis://127.0.0.1:6379/0"
 HI = [{"role": "user", "content": "hi"}]
 
 
-class Backend:
-    """Answers every request with `tokens` tokens (logprobs when asked), each after `delay` s; `gate`, when
-    set, holds the answer until it is opened. Keeps what it was sent."""
-
-    name = "decode"
-
-    def __init__(self, tokens: int = 2, delay: float = 0.0):
-        self.tokens, self.delay = tokens, delay
-        self.gate: asyncio.Event | None = None
-        self.requests = []
-
-    async def generate(self, request):
-        self.requests.append(request)
-        if self.gate is not None:
-            await self.gate.wait()
-        k = request.sampling.logprobs
-        for i in range(self.tokens):
-            await asyncio.sleep(self.delay)
-            logprobs = None if k is None else [TokenLogprob("x", -0.5, [("x", -0.5), ("y", -1.5)][:k])]
-            done = "length" if i == self.tokens - 1 else None
-            yield Output([ChoiceDelta(c, "x", 1, done, logprobs) for c in range(request.sampling.n)])
-
-    async def health(self) -> bool:
-        return True
-
-
-def gateway(tiny_base, backend=None, keys=(), redis_url=None, **limits) -> tuple[Gateway, Backend]:
-    backend = backend or Backend()
+def gateway(tiny_base, backend=None, keys=(), redis_url=None, **limits) -> tuple[Gateway, FakeBackend]:
+    backend = backend or FakeBackend(tokens=2)
     pool = {"model": str(tiny_base), "engine_args": {"max_model_len": 4_000_000}}
     cfg = PlatformConfig(model="m", pools={"decode": pool}, limits=limits, redis_url=redis_url)
     gw = Gateway(cfg, {"decode": backend}, Prompter(str(tiny_base)), KeyStore({digest(k): {} for k in keys}))
@@ -166,7 +142,7 @@ async def test_redis_limits_are_shared_by_gateways_and_awaited(tiny_base):
     body = {"model": "m", "prompt": "hi", "max_tokens": 4}
     async with client(a, key) as ca, client(b, key) as cb:
         statuses = [(await c.post("/v1/completions", json=body)).status_code for c in (ca, cb, ca, cb)]
-        await asyncio.gather(*a._settling, *b._settling)  # reservations are settled in tasks of their own
+        await asyncio.gather(*a.dispatch._settling, *b.dispatch._settling)  # reservations are settled in tasks of their own
     assert statuses == [200, 200, 200, 429]
     assert a.limiter.down_since is None and b.limiter.down_since is None  # Redis answered every call
     import redis

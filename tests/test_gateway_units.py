@@ -6,12 +6,14 @@ import asyncio
 
 import httpx
 import pytest
+from harness import FakeBackend
 
-from services.gateway.auth import KeyStore, RateLimiter, digest, load_keys
-from services.gateway.errors import APIError
+from services.common.errors import APIError
+from services.common.keys import KeyStore, digest, load_keys
+from services.config import DEFAULT_CONFIG, PlatformConfig, RoutingConfig, load_config
+from services.gateway.rate_limits import RateLimiter
 from services.gateway.routing import NoPoolAvailable, PoolState, RoutePolicy
-from services.serving.backend import BackendDown, BackendError, ChoiceDelta, Output
-from services.serving.config import DEFAULT_CONFIG, PlatformConfig, RoutingConfig, load_config
+from services.serving.backend import BackendDown, BackendError
 
 
 def pools(prefill_ready=True, decode_ready=True):
@@ -174,31 +176,12 @@ def test_config_errors_are_clear(tmp_path):
         load_config(bad)
 
 
-class ScriptedBackend:
-    """A backend that answers one token, or raises the error it is given: the gateway's side of failures."""
-
-    name = "decode"
-
-    def __init__(self):
-        self.error: Exception | None = None
-        self.served = 0
-
-    async def generate(self, request):
-        self.served += 1
-        if self.error is not None:
-            raise self.error
-        yield Output([ChoiceDelta(0, "x", 1, "length")])
-
-    async def health(self) -> bool:
-        return True
-
-
 def test_a_failed_request_leaves_the_pool_in_routing_a_dead_pool_leaves_it(tiny_base):
     from services.gateway.app import Gateway, create_app
     from services.gateway.prompts import Prompter
 
     cfg = PlatformConfig(model="m", pools={"decode": {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}})
-    backend = ScriptedBackend()
+    backend = FakeBackend()
     gateway = Gateway(cfg, {"decode": backend}, Prompter(str(tiny_base)), KeyStore({}))
     pool = gateway.pools["decode"]
     pool.ready = True
@@ -234,7 +217,7 @@ def test_a_batch_line_leaves_the_swiftkv_pool_to_live_traffic(tiny_base):
 
     pool_cfg = {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}
     cfg = PlatformConfig(model="m", pools={"prefill": pool_cfg, "decode": pool_cfg}, batch={"live_quiet_seconds": 60})
-    backends = {"prefill": ScriptedBackend(), "decode": ScriptedBackend()}
+    backends = {"prefill": FakeBackend("prefill"), "decode": FakeBackend("decode")}
     gateway = Gateway(cfg, backends, Prompter(str(tiny_base)), KeyStore({}))
     for pool in gateway.pools.values():
         pool.ready = True
@@ -259,3 +242,113 @@ def test_a_batch_line_leaves_the_swiftkv_pool_to_live_traffic(tiny_base):
         assert (decisions("decode", "batch_steered"), decisions("prefill", "ratio")) == (before[0] + 1, before[1] + 1)
 
     asyncio.run(run())
+
+
+def test_a_retry_routes_on_the_expected_output_of_the_first_choice(tiny_base):
+    """A request without max_tokens expects the output estimate (256 tokens to begin with), not all the room left in
+    the context: when its pool goes down before the first token, the retry is routed on that same expected output."""
+    from harness import FakeBackend
+    from harness.gateway import InProcessGateway, platform_config
+
+    cfg = platform_config(tiny_base, max_model_len=8192)
+    backends = {"prefill": FakeBackend("prefill"), "decode": FakeBackend("decode")}
+    backends["prefill"].error = BackendDown("pool prefill: engines restarting")
+    served = InProcessGateway(cfg, backends, batch=False)
+    policy = served.gateway.policy
+    decide, routed = policy.decide, []
+
+    def recorded(prompt_tokens, expected_output, pools, pinned=None):
+        routed.append((prompt_tokens, expected_output))
+        return decide(prompt_tokens, expected_output, pools, pinned)
+
+    policy.decide = recorded
+
+    async def run():
+        async with served.client() as c:
+            body = {"model": "m", "prompt": "hello " * 1500, "max_tokens": None}  # prompt-heavy: the ratio picks prefill
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert "pool=prefill; reason=ratio" in r.headers["x-swiftkv-route"]
+
+    asyncio.run(run())
+    assert len(backends["prefill"].requests) == len(backends["decode"].requests) == 1
+    (first, retry) = routed
+    assert first[1] == cfg.routing.default_output_estimate < 8192 - first[0]  # less than the room left
+    assert retry == first
+
+
+def test_requests_convert_themselves_to_sampling_options():
+    """Fields of SamplingOptions' names are the request's own; the others are converted or the gateway's to decide."""
+    from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
+    from services.serving.backend import SamplingOptions
+
+    same = {"n": 2, "temperature": 0.5, "top_p": 0.9, "seed": 7, "presence_penalty": 0.1, "frequency_penalty": 0.2,
+            "ignore_eos": True, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 1,
+            "skip_special_tokens": False, "include_stop_str_in_output": True}
+    req = parse(CompletionRequest, {"model": "m", "prompt": "hi", "logprobs": 2, "stop": "\n", "stop_token_ids": [3],
+                                    "logit_bias": {"4": 1.5}, **same})
+    assert req.to_sampling_options(9, {"regex": "a+"}) == SamplingOptions(
+        max_tokens=9, stop=["\n"], logprobs=2, stop_token_ids=[3], logit_bias={4: 1.5}, structured={"regex": "a+"}, **same)
+    chat = parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+    options = chat.to_sampling_options(4, skip_special_tokens=False)  # what a tool-call parser asks for
+    assert options == SamplingOptions(max_tokens=4, logprobs=0, skip_special_tokens=False)
+
+
+def test_a_remote_server_gets_openai_fields_unless_unset_and_vllm_extensions_off_their_defaults():
+    from services.serving.backend import SamplingOptions
+    from services.serving.remote import request_fields
+
+    assert request_fields(SamplingOptions(max_tokens=5)) == {
+        "max_tokens": 5, "n": 1, "temperature": 1.0, "top_p": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    options = SamplingOptions(max_tokens=5, temperature=0.0, seed=1, stop=["x"], logprobs=0, ignore_eos=True, top_k=-1,
+                              min_p=0.1, repetition_penalty=1.2, min_tokens=2, stop_token_ids=[7], skip_special_tokens=False,
+                              include_stop_str_in_output=True, logit_bias={3: -1.0}, structured={"choice": ["a", "b"]})
+    assert request_fields(options) == {
+        "max_tokens": 5, "n": 1, "temperature": 0.0, "top_p": 1.0, "seed": 1, "stop": ["x"], "logprobs": 0,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "ignore_eos": True, "top_k": -1, "min_p": 0.1,
+        "repetition_penalty": 1.2, "min_tokens": 2, "stop_token_ids": [7], "skip_special_tokens": False,
+        "include_stop_str_in_output": True, "logit_bias": {3: -1.0}, "structured_outputs": {"choice": ["a", "b"]}}
+
+
+def test_vllm_gets_every_sampling_option():
+    """Every SamplingOptions field reaches vLLM's SamplingParams under its own name (empty lists as None)."""
+    pytest.importorskip("vllm")
+    from services.serving.backend import SamplingOptions
+    from services.serving.engine import to_sampling_params
+
+    options = SamplingOptions(max_tokens=5, n=2, temperature=0.5, top_p=0.9, seed=1, stop=["x"], logprobs=1,
+                              presence_penalty=0.1, frequency_penalty=0.2, ignore_eos=True, top_k=5, min_p=0.1,
+                              repetition_penalty=1.2, min_tokens=2, stop_token_ids=[7], skip_special_tokens=False,
+                              include_stop_str_in_output=True, logit_bias={3: -1.0}, structured={"choice": ["a", "b"]})
+    params = to_sampling_params(options)
+    for name in ("max_tokens", "n", "temperature", "top_p", "seed", "stop", "logprobs", "presence_penalty", "frequency_penalty",
+                 "ignore_eos", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "skip_special_tokens",
+                 "include_stop_str_in_output", "logit_bias"):
+        assert getattr(params, name) == getattr(options, name), name
+    assert params.structured_outputs.choice == ["a", "b"]
+    bare = to_sampling_params(SamplingOptions(max_tokens=3))
+    assert bare.stop == [] and bare.stop_token_ids == [] and bare.logit_bias is None and bare.structured_outputs is None
+
+
+@pytest.mark.parametrize("choice,parallel", [("required", None), ("required", False), ({"type": "function", "function": {"name": "g"}}, None)])
+def test_tool_schemas_are_the_ones_vllm_derives(choice, parallel):
+    """The constraint for tool_choice required or a named function, derived here without vLLM, is vLLM's own."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmChatRequest
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    from services.gateway.schemas import ChatCompletionRequest, parse
+    from services.gateway.tools import tools_json_schema
+
+    item = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/item"}},
+                                                                          "$defs": {"item": item}}}},
+             {"type": "function", "function": {"name": "g"}},
+             {"type": "function", "function": {"name": "h", "parameters": {"type": "object", "$defs": {"item": item}}}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": choice}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    ours = parse(ChatCompletionRequest, body)
+    theirs = VllmChatRequest.model_validate(body)
+    assert tools_json_schema(ours) == get_json_schema_from_tools(theirs.tool_choice, theirs.tools, theirs.parallel_tool_calls)
+    assert ours.tools[0].function.parameters["$defs"] == {"item": item}  # the request's own tools are left as they were

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.serving.config import load_config
+from services.config import load_config
 from swiftkv_core.hardware import (
     ALLOCATOR_ENV,
     BIND_ENV,
@@ -92,6 +92,7 @@ def _fp8_config(tmp_path: Path, tiny_base: Path, tiny_swiftkv: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_serve_refuses_fp8_kv_on_a_cpu_without_avx512(tmp_path, tiny_base, tiny_swiftkv):
     """`swiftkv serve` exits with the reason before any engine starts: no worker stack trace."""
     config = _fp8_config(tmp_path, tiny_base, tiny_swiftkv)
@@ -193,6 +194,7 @@ def test_binding_plan(monkeypatch, caplog):
     assert plan_cpu_binding(both, {}, on_cpu=True) == {"prefill": None, "decode": None}
 
 
+@pytest.mark.slow
 def test_serve_refuses_cpu_cores_this_machine_lacks(tmp_path, tiny_base):
     """`swiftkv serve --engine inprocess` with CPU ids outside its affinity mask exits with the reason before any
     engine starts; garbage is refused as an invalid config."""

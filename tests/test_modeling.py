@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from swiftkv_core.config import swiftkv_config_from_base
-from swiftkv_core.modeling import LlamaSwiftKVForCausalLM, load_model
+from swiftkv_core.modeling_llama_swiftkv import LlamaSwiftKVForCausalLM, load_model
 
 torch.manual_seed(0)
 
@@ -96,6 +96,7 @@ def test_greedy_generate_matches_argmax_of_forward(tiny_swiftkv):
     assert len(out) == 3 and out[0] == first
 
 
+@pytest.mark.slow
 def test_cached_greedy_equals_uncached_token_for_token(tiny_swiftkv, tiny_swiftkv_across):
     prompts = [[5, 17, 42, 7], list(range(40, 90)), [3]]
     for path in (tiny_swiftkv, tiny_swiftkv_across):
@@ -110,7 +111,7 @@ def test_cached_greedy_equals_uncached_token_for_token(tiny_swiftkv, tiny_swiftk
 
 
 def test_cached_logits_match_the_full_forward(tiny_swiftkv_across):
-    from swiftkv_core.modeling import KVCache
+    from swiftkv_core.modeling_llama_swiftkv import KVCache
 
     model = load_model(str(tiny_swiftkv_across))
     ids = _ids(1, 20)

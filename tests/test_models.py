@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from services.cli import app
-from swiftkv_core.models import ModelPrepareError, prepare
+from swiftkv_core.catalog import ModelPrepareError, prepare
 
 
 def test_unknown_model_lists_known_ones(tmp_path):
@@ -37,7 +37,7 @@ def test_smollm2_prepare_is_cached(smollm2_dir):
 
 @pytest.mark.smollm2
 def test_smollm2_answers_sensibly_through_the_reference_model(smollm2_dir):
-    from swiftkv_core.modeling import load_model
+    from swiftkv_core.modeling_llama_swiftkv import load_model
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     model = load_model(str(smollm2_dir))
@@ -50,7 +50,7 @@ def test_smollm2_answers_sensibly_through_the_reference_model(smollm2_dir):
 
 
 def test_every_shipped_swiftkv_model_lists_its_quality_and_stays_small():
-    from swiftkv_core.models import REGISTRY, model_card
+    from swiftkv_core.catalog import REGISTRY, model_card
     from swiftkv_core.shipped import WEIGHTS_DIR
 
     shipped = [n for n in REGISTRY if (WEIGHTS_DIR / f"{n}.safetensors").exists()]

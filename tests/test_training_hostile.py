@@ -11,7 +11,7 @@ import os
 import httpx
 import pytest
 import torch
-from test_training import MODEL, QUICK, records
+from harness.training import MODEL, QUICK, records
 
 from services.training.api import event_object
 from services.training.service import TrainerSettings, create_app
@@ -106,7 +106,7 @@ def test_default_listen_address_is_loopback(monkeypatch):
 
 
 def test_chart_listens_on_all_addresses_with_the_gateways_keys():
-    from test_deploy import find, render
+    from harness.deploy import find, render
 
     c = find(render(None, "--set", "apiKeys.keys[0]=sk-one", "--set", "trainer.allowedModels[0]=meta-llama/*"),
              "Deployment", "trainer")[0]["spec"]["template"]["spec"]
@@ -125,11 +125,11 @@ def test_chart_listens_on_all_addresses_with_the_gateways_keys():
 async def test_model_is_fetched_only_for_a_valid_request_and_only_if_allowed(make_app, tiny_base, tmp_path, monkeypatch):
     import huggingface_hub
 
-    from swiftkv_core import models
+    from swiftkv_core import catalog
 
     fetched = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda name, **kw: fetched.append(name) or str(tiny_base))
-    monkeypatch.setattr(models, "prepare", lambda name, models_dir: fetched.append(name) or tiny_base)
+    monkeypatch.setattr(catalog, "prepare", lambda name, models_dir: fetched.append(name) or tiny_base)
     app = make_app(allowed_models=["allowed-org/*"])
     async with client(app) as c:
         file_id = await upload(c)

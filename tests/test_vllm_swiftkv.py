@@ -16,37 +16,19 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.engine
 
+from harness.engines import BLOCK, LLM_ARGS, generate, prompt  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
 from swiftkv_core.hardware import FEATURES_ENV, UnsupportedSetting, check_engine_args, cpu_info  # noqa: E402
-from swiftkv_core.modeling import load_model  # noqa: E402
-from swiftkv_core.vllm.model import describe  # noqa: E402
+from swiftkv_core.modeling_llama_swiftkv import load_model  # noqa: E402
+from swiftkv_core.vllm.llama_swiftkv import describe  # noqa: E402
 
-BLOCK = 32
-# 3 MiB of float32 KV: a block of one layer is 32 tokens * 2 (K, V) * 2 heads * 32 dims * 4 bytes = 16 KiB,
-# so the base model (8 caches) gets 24 blocks (768 tokens) and 2-way AcrossKV (4 + 2 caches) exactly 32.
-KV_BYTES = 3 << 20
-ENGINE_ARGS = dict(
-    dtype="float32",
-    enforce_eager=True,
-    kv_cache_memory_bytes=KV_BYTES,
-    block_size=BLOCK,
-    max_model_len=512,
-    max_num_batched_tokens=64,
-    enable_prefix_caching=True,
-    disable_log_stats=False,
-    seed=0,
-)
+ENGINE_ARGS = LLM_ARGS
 # Several lengths around block (32) and step (64) boundaries; all submitted together.
 PROMPT_LENGTHS = [1, 7, 31, 32, 33, 64, 65, 100, 150, 230]
-NEW_TOKENS = 24
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(1000 * seed + n)
-    return torch.randint(3, 500, (n,), generator=g).tolist()
 
 
 class Engines:
@@ -87,11 +69,6 @@ def kv_tokens(llm: LLM) -> int:
 
 def num_preemptions(llm: LLM) -> int:
     return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
-
-
-def generate(llm: LLM, prompts: list[list[int]], max_tokens: int = NEW_TOKENS, logprobs: int | None = 2):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
 def assert_matches_reference(ref, prompts, outputs, swiftkv: bool = True, logprob_tol: float | None = 1e-4):
@@ -197,7 +174,7 @@ def test_swiftkv_parity_catches_every_swapped_tensor(swiftkv_mixed_batch, ref_sw
 
 def test_swiftkv_loads_no_original_qkv_for_later_layers(engines, tiny_swiftkv):
     info = engines.get(tiny_swiftkv).apply_model(describe)[0]
-    assert info["class"] == "swiftkv_core.vllm.model.LlamaSwiftKVForCausalLM"
+    assert info["class"] == "swiftkv_core.vllm.llama_swiftkv.VllmLlamaSwiftKVForCausalLM"
     # Later layers: their own Q (from q_proj_swiftkv) and output projection, nothing else.
     assert set(info["later_layer_attention_params"]) == {"q_proj.weight", "o_proj.weight"}
     assert info["kv_cache_tensors"] == 8

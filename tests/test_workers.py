@@ -1,5 +1,5 @@
 """`swiftkv serve --workers N`: several gateway processes on one port in front of a real vLLM OpenAI server (the
-remote pool of tests/test_remote_backend.py), per-key limits shared through the Redis at 127.0.0.1:6379, one worker
+conftest's `vllm_server`, shared by the run), per-key limits shared through the Redis at 127.0.0.1:6379, one worker
 killed with SIGKILL under traffic and replaced, SIGTERM draining every worker; and the refusal of in-process
 engines with several workers."""
 
@@ -16,34 +16,31 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from test_gateway import free_port, launch, stop, wait_until
-from test_remote_backend import MAX_MODEL_LEN, NAME, UPSTREAM_KEY, vllm_server  # noqa: F401 (the module's server fixture)
+from harness import free_port, swiftkv_serve
+from harness.engines import MAX_MODEL_LEN, UPSTREAM, UPSTREAM_KEY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
-ENV = {"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": "", "SWIFTKV_REDIS_URL": "", "SWIFTKV_WORKERS": ""}
 
 
 def remote_config(work: Path, url: str, tiny_base, **extra) -> dict:
     return {"model": "m", "port": free_port(), "data_dir": str(work / "data"), "health": {"period_seconds": 1.0, "shutdown_grace_seconds": 20.0},
-            "pools": {"decode": {"backend": "remote", "url": url, "model": str(tiny_base), "served_model_name": NAME,
+            "pools": {"decode": {"backend": "remote", "url": url, "model": str(tiny_base), "served_model_name": UPSTREAM,
                                  "api_key": UPSTREAM_KEY, "engine_args": {"max_model_len": MAX_MODEL_LEN}}}, **extra}
 
 
 @pytest.fixture(scope="module")
-def workers(vllm_server, tiny_base, tmp_path_factory):  # noqa: F811
+def workers(vllm_server, tiny_base, tmp_path_factory):
     """(base URL, parent process, work dir, limited key) of `swiftkv serve --workers 2` whose pool is the vLLM server."""
     work = tmp_path_factory.mktemp("serve-workers")
     limited = f"sk-workers-{secrets.token_hex(6)}"  # fresh buckets in Redis for this run
     (work / "keys").write_text(f"sk-workers-main\n{limited} requests_per_minute=6\n")
     config = remote_config(work, f"{vllm_server}/v1", tiny_base, redis_url=REDIS_URL)
-    proc, base = launch(work, config, "--engine", "inprocess", "--workers", "2", "--api-keys-file", str(work / "keys"), env=ENV)
-    try:
-        wait_until(proc, work, lambda: httpx.get(f"{base}/ready", timeout=2).status_code == 200, 300, "ready")
-        yield base, proc, work, limited
-    finally:
-        stop(proc)
+    server = swiftkv_serve(work, config, "--engine", "inprocess", "--workers", "2", "--api-keys-file", str(work / "keys"))
+    with server:
+        server.start().wait(timeout=300)
+        yield server.base, server.proc, work, limited
 
 
 def ask(base: str, key: str = "sk-workers-main", tokens: int = 8, timeout: float = 60) -> httpx.Response:
@@ -177,7 +174,8 @@ def test_sigterm_drains_every_worker_and_exits_0(workers):
 def test_in_process_engines_are_refused_with_several_workers(tiny_base, tmp_path):
     config = {"model": "m", "port": free_port(), "data_dir": str(tmp_path / "data"),
               "pools": {"decode": {"model": str(tiny_base)}}}
-    proc, _ = launch(tmp_path, config, "--engine", "inprocess", "--workers", "2", env=ENV)
+    server = swiftkv_serve(tmp_path, config, "--engine", "inprocess", "--workers", "2").start()
+    proc = server.proc
     assert proc.wait(60) != 0
     log = (tmp_path / "serve.log").read_text()
     assert "--workers 2 with in-process engines (pools.decode)" in log and "--engine ray" in log and "backend: remote" in log
@@ -186,13 +184,13 @@ def test_in_process_engines_are_refused_with_several_workers(tiny_base, tmp_path
 def test_several_workers_without_redis_warn_that_limits_are_per_worker(tiny_base, tmp_path):
     # the pool's server is not there: the workers start (the pool joins once it answers), which is all this looks at
     config = remote_config(tmp_path, f"http://127.0.0.1:{free_port()}/v1", tiny_base, workers=2)
-    proc, base = launch(tmp_path, config, "--engine", "inprocess", env=ENV)
+    server = swiftkv_serve(tmp_path, config, "--engine", "inprocess").start()
+    proc, base = server.proc, server.base
     try:
-        wait_until(proc, tmp_path, lambda: len({httpx.get(f"{base}/health", timeout=2).headers.get("x-swiftkv-worker")
-                                                for _ in range(20)}) == 2, 120, "answered by 2 workers")
+        server.wait(lambda: len({httpx.get(f"{base}/health", timeout=2).headers.get("x-swiftkv-worker") for _ in range(20)}) == 2,
+                    120, "answered by 2 workers")
         assert "2 workers without redis_url: per-key rate limits are kept by each worker on its own" in (tmp_path / "serve.log").read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            stop(proc)
+        server.stop()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.serving.config import PoolConfig
+from services.config import PoolConfig
 from services.serving.ray_backend import build_deployment
 
 

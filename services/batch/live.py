@@ -20,9 +20,8 @@ import secrets
 import time
 from contextlib import suppress
 
-from services.gateway.routing import PoolState
-
 from . import metrics
+from .gateway_protocols import Pool
 
 log = logging.getLogger("swiftkv.batch")
 
@@ -31,7 +30,7 @@ RETRY_SECONDS = 5.0
 
 
 class SharedLiveTraffic:
-    def __init__(self, redis_url: str, pools: dict[str, PoolState], quiet_seconds: float):
+    def __init__(self, redis_url: str, pools: dict[str, Pool], quiet_seconds: float):
         self.redis_url, self.pools = redis_url, pools
         self.origin = secrets.token_hex(6)  # this process: its own messages are not news to it
         # Heartbeats closer than the quiet time, so a long live request elsewhere keeps the pool busy throughout.

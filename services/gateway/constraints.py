@@ -12,15 +12,19 @@ and every malformed constraint a 400 before it is routed.
 
 from __future__ import annotations
 
-from .errors import bad_request
-from .tools import vllm_refusals
+from services.common.errors import bad_request
+
+from .tools import vllm_installed, vllm_refusals
 
 CHECKED_BACKENDS = ("auto", "xgrammar")
 
 
 def checked_here(cfg) -> bool:
-    """Whether every pool compiles with xgrammar (vLLM's `auto` or `xgrammar`): the edge then checks with the
-    same validation. A pool set to another backend keeps that backend's own validation, in its engine."""
+    """Whether every pool compiles with xgrammar (vLLM's `auto` or `xgrammar`) and vLLM is installed here: the
+    edge then checks with the same validation. A pool set to another backend keeps that backend's own validation,
+    in its engine; without vLLM (the gateway image) every constraint is checked by the engine that serves it."""
+    if not vllm_installed():
+        return False
     for pool in cfg.pools.values():
         so = pool.engine_args.get("structured_outputs_config") or {}
         if not isinstance(so, dict) or so.get("backend", "auto") not in CHECKED_BACKENDS:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import bad_request
+from services.common.errors import bad_request
+
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 

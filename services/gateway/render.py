@@ -1,11 +1,19 @@
-"""OpenAI's response objects: chat.completion and text_completion, their stream chunks, usage, SSE events."""
+"""OpenAI's responses from a backend's stream of outputs: chat.completion and text_completion objects, their
+stream chunks and usage; a whole answer (`collect`) or server-sent events (`sse_body`); the answer to a request
+the engine refused or failed (`failure`)."""
 
 from __future__ import annotations
 
 import json
+import logging
+from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable
 
-from services.serving.backend import Output
+from services.common.errors import error_body, sse_error
+from services.serving.backend import BackendDown, BackendError, BadRequest, Output, UpstreamError
+
+log = logging.getLogger("swiftkv.gateway")
 
 
 @dataclass
@@ -135,3 +143,78 @@ class CompletionRender(ChatRender):
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._base("text_completion") | {"choices": [], "usage": usage}
+
+
+Renderer = ChatRender | CompletionRender
+
+
+async def collect(stream: AsyncIterator[Output], render: Renderer, prompt_tokens: int,
+                  off_loop: Callable[..., Awaitable], structured_param: str | None = None) -> tuple[int, dict]:
+    """A whole (non-streamed) answer: (status, OpenAI body). The body is built with `off_loop` (the gateway's CPU
+    pool): up to limits.max_unstreamed_tokens of it."""
+    choices = [Choice() for _ in range(render.n)]
+    try:
+        async with aclosing(stream) as s:
+            async for out in s:
+                for c in out.choices:
+                    ch = choices[c.index]
+                    ch.text.append(c.text)
+                    ch.tokens += c.num_tokens
+                    ch.finish_reason = c.finish_reason or ch.finish_reason
+                    if c.logprobs:
+                        ch.logprobs.extend(c.logprobs)
+    except (BadRequest, BackendError) as e:
+        return failure(e, structured_param)
+    completion_tokens = sum(c.tokens for c in choices)
+    return 200, await off_loop(render.full, choices, usage_dict(prompt_tokens, completion_tokens))
+
+
+async def sse_body(stream: AsyncIterator[Output], first: list[Output], render: Renderer, prompt_tokens: int,
+                   include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
+    """The SSE body of an answer whose `first` outputs were already read (so the status line could be right):
+    errors from here on can only be events in the stream."""
+    completion_tokens = 0
+
+    async def outputs():
+        for out in first:
+            yield out
+        async for out in stream:
+            yield out
+
+    try:
+        async with aclosing(stream):
+            for chunk in render.start():
+                yield sse_event(chunk, include_usage, usage_dict(prompt_tokens, 0) if continuous_usage else None)
+            async for out in outputs():
+                completion_tokens += sum(c.num_tokens for c in out.choices)
+                chunk = render.chunk(out)
+                if chunk["choices"]:  # choices whose text is held back (a tool call taking shape) send nothing
+                    yield sse_event(chunk, include_usage, usage_dict(prompt_tokens, completion_tokens) if continuous_usage else None)
+    except (BadRequest, BackendError) as e:
+        status, body = failure(e)
+        yield sse_error(body["error"]["message"], body["error"]["type"], body["error"]["code"])
+        yield b"data: [DONE]\n\n"  # the stream still ends the way clients expect, never left hanging
+        return
+    if include_usage:
+        yield sse_event(render.usage_chunk(usage_dict(prompt_tokens, completion_tokens)), False)
+    yield b"data: [DONE]\n\n"
+
+
+def failure(e: BadRequest | BackendError, structured_param: str | None = None) -> tuple[int, dict]:
+    """A request the engine refused or failed: (status, OpenAI error body). Only a pool that is down is a
+    503 (retry elsewhere or later); one request's failure is a 500. An engine's refusal of a request with
+    structured output that is about its constraint (a schema the backend cannot compile) names that field."""
+    if isinstance(e, BadRequest):
+        param = structured_param if structured_param and _about_structured_output(str(e)) else None
+        return 400, error_body(str(e) if param is None else f"{param}: {e}", param=param)
+    if isinstance(e, UpstreamError):  # a remote server's own answer, passed on as it came
+        return e.status, error_body(e.message, e.type, e.param, e.code)
+    log.warning("%s", e)
+    if isinstance(e, BackendDown):
+        return 503, error_body("the engine failed to serve this request; try again", "server_error", code="unavailable")
+    return 500, error_body("the engine failed to serve this request", "server_error")
+
+
+def _about_structured_output(message: str) -> bool:
+    m = message.lower()
+    return any(w in m for w in ("schema", "grammar", "regex", "structured", "json", "xgrammar", "guidance", "outlines", "choice"))

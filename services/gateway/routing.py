@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from services.config import RoutingConfig
 from services.serving.backend import Backend
-from services.serving.config import RoutingConfig
 
 from . import metrics
 

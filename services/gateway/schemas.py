@@ -4,13 +4,15 @@ silent default or coercion. Bounds follow OpenAI's and vLLM's; vLLM's extensions
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import bad_request
+from services.common.errors import bad_request
+from services.serving.backend import SamplingOptions
 
 MAX_INT32 = 2**31 - 1  # token counts: far above any context, small enough for every engine
 MAX_SCHEMA_CHARS = 100_000  # a JSON schema, grammar or regex for structured output, serialized
@@ -175,7 +177,7 @@ class Sampling(Strict):
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1)  # upper bound: limits.max_n (Gateway.check_bounds)
+    n: int = Field(1, ge=1)  # upper bound: limits.max_n (Admission.check_bounds)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # the engine takes a signed 64-bit seed
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -241,6 +243,28 @@ class Sampling(Strict):
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         return {int(k): b for k, b in self.logit_bias.items()} if self.logit_bias else None
+
+    def output_limit(self) -> int | None:
+        """The output tokens the client asked for (None: as many as fit in the context)."""
+        raise NotImplementedError
+
+    def logprobs_k(self) -> int | None:
+        """Top logprobs per token (0: only the chosen token's), None for none."""
+        raise NotImplementedError
+
+    def to_sampling_options(self, max_tokens: int, structured: dict | None = None,
+                            skip_special_tokens: bool | None = None) -> SamplingOptions:
+        """The engine's sampling options for this request. The gateway decides `max_tokens` (what the client asked
+        for, or the room left in the context) and the constraint (the request's own, or the one its tools
+        derive, which may also keep special tokens); fields whose request form differs are converted; every
+        other field of SamplingOptions is this request's field of the same name."""
+        converted = {
+            "max_tokens": max_tokens, "structured": structured, "stop": self.stops(), "logprobs": self.logprobs_k(),
+            "stop_token_ids": list(self.stop_token_ids or []), "logit_bias": self.logit_bias_ids(),
+            "skip_special_tokens": self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+        }
+        same = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingOptions) if f.name not in converted}
+        return SamplingOptions(**same, **converted)
 
     @field_validator("stop")
     @classmethod

@@ -6,10 +6,11 @@ does: the parser adjusts the request (the constraint for `required`, a named fun
 structural tag or JSON schema for vLLM's structured-output backends; whether special tokens are kept), then
 extracts the calls from the answer, whole or as streamed deltas.
 
-Without a parser, `required` and a named function still work as in vLLM: the answer is constrained to the
-JSON vLLM derives from the tools (`get_json_schema_from_tools`: the named function's parameters, or an
-array of `{name, parameters}`) and turned into `tool_calls` here; `auto` is refused (nothing could find
-calls in the model's own format). `none`: tools go to the chat template, the answer is plain content.
+Without a parser, `required` and a named function still work as in vLLM, and without vLLM installed: the
+answer is constrained to the JSON vLLM derives from the tools (`tools_json_schema`, as vLLM's
+`get_json_schema_from_tools`: the named function's parameters, or an array of `{name, parameters}`) and
+turned into `tool_calls` here; `auto` is refused (nothing could find calls in the model's own format).
+`none`: tools go to the chat template, the answer is plain content.
 
 finish_reason is `tool_calls` when `auto` called a tool and for `required`, `stop` for a named function,
 as vLLM and OpenAI do.
@@ -17,15 +18,25 @@ as vLLM and OpenAI do.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import secrets
 from typing import Any
 
-from .errors import bad_request
+from services.common.errors import bad_request
+
 from .schemas import ChatCompletionRequest
 
 log = logging.getLogger("swiftkv.gateway")
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported here, found without importing it (the gateway image has no vLLM)."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a blocked import (ImportError) or a module set to None in sys.modules
+        return False
 
 
 def vllm_refusals() -> tuple[type[Exception], ...]:
@@ -41,12 +52,52 @@ def tool_call_id() -> str:
 
 def parser_class(name: str):
     """vLLM's tool-call parser class registered under `name` (ValueError naming the known ones if none)."""
-    from vllm.tool_parsers import ToolParserManager
+    try:
+        from vllm.tool_parsers import ToolParserManager
+    except ImportError:
+        raise ValueError(f"tool_call_parser {name!r} is one of vLLM's parsers, and vLLM is not installed where the "
+                         "gateway runs; leave tool_call_parser out (tool_choice required and named functions work "
+                         "without it) or run the gateway where vLLM is installed") from None
 
     try:
         return ToolParserManager.get_tool_parser(name)
     except KeyError:
         raise ValueError(f"unknown tool_call_parser {name!r}; vLLM has: {', '.join(sorted(ToolParserManager.list_registered()))}")
+
+
+def _parameters(params: dict | None) -> dict:
+    """A function's parameters, empty or missing ones as an object with no properties (arguments are an object)."""
+    return params if params else {"type": "object", "properties": {}}
+
+
+def tools_json_schema(req: ChatCompletionRequest) -> dict:
+    """The JSON an answer must be for tool_choice `required` or a named function, derived as vLLM's
+    `get_json_schema_from_tools` derives it (the answers stay the same as vLLM's server gives): the named
+    function's parameters; for `required`, an array of one or more (one with parallel_tool_calls false)
+    `{name, parameters}` objects, every function's `$defs` gathered at the top."""
+    if req.tool_mode() == "named":
+        by_name = {t.function.name: t for t in req.tools}  # the last of a name, as in vLLM
+        return _parameters(by_name[req.tool_choice.function.name].function.parameters)
+    choices, defs = [], {}
+    for t in req.tools:
+        # A copy: its `$defs` move to the top, while the request's own tools still go to the chat template.
+        params = dict(t.function.parameters) if t.function.parameters is not None else None
+        choices.append({"properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": _parameters(params)},
+                        "required": ["name", "parameters"]})
+        own = params.pop("$defs", {}) if params is not None else {}
+        if not isinstance(own, dict):
+            raise bad_request(f"tools: `$defs` in the parameters of tool {t.function.name!r} must be an object, "
+                              f"got {type(own).__name__}", param="tools")
+        for name, schema in own.items():
+            if name in defs and defs[name] != schema:
+                raise bad_request(f"tools: the definition {name!r} has several schemas, which is not supported", param="tools")
+            defs[name] = schema
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": choices}}
+    if req.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
 
 
 def _vllm_request(req: ChatCompletionRequest):
@@ -68,7 +119,7 @@ class ToolCalls:
 
     def __init__(self, req: ChatCompletionRequest, parser_name: str | None, tokenizer):
         self.mode = req.tool_mode()  # "auto" | "required" | "named"
-        self.vreq = _vllm_request(req)
+        self.vreq = None  # vLLM's request, which its parsers read
         self.named = req.tool_choice.function.name if self.mode == "named" else None
         self.structured: dict | None = None  # vLLM StructuredOutputsParams fields; None: the request's own
         self.skip_special_tokens: bool | None = None
@@ -81,19 +132,14 @@ class ToolCalls:
                               "config): tool_choice auto cannot find calls in its answers; use tool_choice "
                               "required or a named function, or none", param="tool_choice")
         else:
-            from vllm.tool_parsers.utils import get_json_schema_from_tools
-
-            try:
-                schema = get_json_schema_from_tools(self.vreq.tool_choice, self.vreq.tools, self.vreq.parallel_tool_calls)
-            except vllm_refusals() as e:
-                raise bad_request(f"tools: {e}", param="tools")
-            self.structured = {"json": schema}
+            self.structured = {"json": tools_json_schema(req)}
         self._streams: dict[int, _ChoiceStream] = {}
 
     def _with_parser(self, req: ChatCompletionRequest, parser_name: str) -> None:
         """vLLM's parser adjusts vLLM's request as its server does; what it set goes to the engine."""
         from vllm.parser.parser_manager import ParserManager
 
+        self.vreq = _vllm_request(req)
         self.parser_cls = ParserManager.get_parser(tool_parser_name=parser_name, enable_auto_tools=True)
         before = self.vreq.extract_structured_outputs()
         try:

@@ -11,9 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
+VLLM_EXTENSION = {"vllm_extension": True}  # field metadata: vLLM's own parameter, not OpenAI's
+
 
 @dataclass
 class SamplingOptions:
+    """The one definition of what a request asks of the engine's sampler: the request models convert to it
+    (`to_sampling_options`), the backends map it field by field (`dataclasses.fields`) to vLLM's SamplingParams
+    or a remote server's request body. The names are vLLM's, except `structured` (its `structured_outputs`)."""
+
     max_tokens: int
     n: int = 1
     temperature: float = 1.0
@@ -23,17 +29,18 @@ class SamplingOptions:
     logprobs: int | None = None  # top-k alternatives per token (0 = only the chosen token's logprob)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    ignore_eos: bool = False
     # vLLM's extra sampling parameters, with its meaning and defaults
-    top_k: int = 0  # 0 (or -1): every token
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    ignore_eos: bool = field(default=False, metadata=VLLM_EXTENSION)
+    top_k: int = field(default=0, metadata=VLLM_EXTENSION)  # 0 (or -1): every token
+    min_p: float = field(default=0.0, metadata=VLLM_EXTENSION)
+    repetition_penalty: float = field(default=1.0, metadata=VLLM_EXTENSION)
+    min_tokens: int = field(default=0, metadata=VLLM_EXTENSION)
+    stop_token_ids: list[int] = field(default_factory=list, metadata=VLLM_EXTENSION)
+    skip_special_tokens: bool = field(default=True, metadata=VLLM_EXTENSION)
+    include_stop_str_in_output: bool = field(default=False, metadata=VLLM_EXTENSION)
     logit_bias: dict[int, float] | None = None
-    structured: dict | None = None  # vLLM's StructuredOutputsParams fields (json, regex, choice, grammar, json_object, ...)
+    # vLLM's StructuredOutputsParams fields (json, regex, choice, grammar, json_object, ...)
+    structured: dict | None = field(default=None, metadata=VLLM_EXTENSION)
 
 
 @dataclass

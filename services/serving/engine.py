@@ -8,6 +8,7 @@ deltas. Leaving the output iteration early (client gone, task cancelled) aborts 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -72,31 +73,16 @@ def engine_metrics() -> EngineMetrics:
 
 
 def to_sampling_params(options: SamplingOptions):
+    """vLLM's SamplingParams with every field of `options` under its own name (`structured` is vLLM's
+    `structured_outputs`); vLLM takes None, not an empty list or dict, for a field left unset."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-    return SamplingParams(
-        n=options.n,
-        temperature=options.temperature,
-        top_p=options.top_p,
-        seed=options.seed,
-        stop=options.stop or None,
-        max_tokens=options.max_tokens,
-        logprobs=options.logprobs,
-        presence_penalty=options.presence_penalty,
-        frequency_penalty=options.frequency_penalty,
-        ignore_eos=options.ignore_eos,
-        top_k=options.top_k,
-        min_p=options.min_p,
-        repetition_penalty=options.repetition_penalty,
-        min_tokens=options.min_tokens,
-        stop_token_ids=options.stop_token_ids or None,
-        skip_special_tokens=options.skip_special_tokens,
-        include_stop_str_in_output=options.include_stop_str_in_output,
-        logit_bias=options.logit_bias or None,
-        structured_outputs=StructuredOutputsParams(**options.structured) if options.structured else None,
-        output_kind=RequestOutputKind.DELTA,
-    )
+    params = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    params = {name: None if value == [] or value == {} else value for name, value in params.items()}
+    structured = params.pop("structured")
+    return SamplingParams(**params, structured_outputs=StructuredOutputsParams(**structured) if structured else None,
+                          output_kind=RequestOutputKind.DELTA)
 
 
 def _logprobs(token_ids, entries, k: int) -> list[TokenLogprob]:
@@ -141,7 +127,8 @@ def cpu_binding(bind: str | None):
 
 
 class VLLMEngine:
-    """Owns one AsyncLLM. `start()` builds it (off the event loop) and runs a warm-up generation. `cpu_bind`: the
+    """Owns one AsyncLLM, built from `engine_args` (a pool's `PoolConfig.vllm_engine_args()`: its speculative decoding
+    included). `start()` builds it (off the event loop) and runs a warm-up generation. `cpu_bind`: the
     VLLM_CPU_OMP_THREADS_BIND its workers start with (`hardware.plan_cpu_binding`); None leaves vLLM's."""
 
     def __init__(self, name: str, model: str, served_model_name: str, engine_args: dict[str, Any], warmup: bool = True,
@@ -194,8 +181,11 @@ class VLLMEngine:
                 pass
         self.ready = True
         cache = self.llm.vllm_config.cache_config
-        log.info("pool %s: engine for %s ready in %.1fs (KV cache: %s tokens)", self.name, self.model, time.perf_counter() - t0,
-                 f"{(cache.num_gpu_blocks or 0) * cache.block_size:,}")
+        speculative = self.llm.vllm_config.speculative_config
+        log.info("pool %s: engine for %s ready in %.1fs (KV cache: %s tokens%s)", self.name, self.model, time.perf_counter() - t0,
+                 f"{(cache.num_gpu_blocks or 0) * cache.block_size:,}",
+                 f"; speculative decoding: {speculative.method}, up to {speculative.num_speculative_tokens} tokens per step"
+                 if speculative is not None else "")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
         from vllm.exceptions import VLLMClientError

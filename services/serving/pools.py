@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
+from services.config import PlatformConfig, PoolConfig
+
 from .backend import Backend
-from .config import PlatformConfig, PoolConfig
 
 EngineKind = Literal["inprocess", "ray"]
 
@@ -78,5 +79,5 @@ def build_backends(cfg: PlatformConfig, engine: EngineKind) -> dict[str, Backend
         else:
             from .engine import InProcessBackend
 
-            backends[name] = InProcessBackend(name, pool.model, served, pool.engine_args, pool.warmup, cpu_bind=binds.get(name))
+            backends[name] = InProcessBackend(name, pool.model, served, pool.vllm_engine_args(), pool.warmup, cpu_bind=binds.get(name))
     return backends

@@ -16,8 +16,9 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
+from services.config import PoolConfig
+
 from .backend import BackendDown, BackendError, BadRequest, GenerateRequest, Output
-from .config import PoolConfig
 from .engine import VLLMEngine
 
 log = logging.getLogger("swiftkv.ray")
@@ -59,7 +60,7 @@ def build_deployment(pool: str, cfg: PoolConfig, served_model_name: str):
             "downscale_delay_s": r.downscale_delay_s,
         },
         ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
-    ).bind(pool, cfg.model, served_model_name, cfg.engine_args, cfg.warmup)
+    ).bind(pool, cfg.model, served_model_name, cfg.vllm_engine_args(), cfg.warmup)
 
 
 class RayBackend:

@@ -9,12 +9,32 @@ client with their status and message, in OpenAI's envelope.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import AsyncIterator
 
 import httpx
 
-from .backend import BackendDown, BackendError, ChoiceDelta, GenerateRequest, Output, TokenLogprob, UpstreamError
+from .backend import BackendDown, BackendError, ChoiceDelta, GenerateRequest, Output, SamplingOptions, TokenLogprob, UpstreamError
+
+# SamplingOptions' names that differ on the wire (vLLM's server calls `structured` `structured_outputs`)
+WIRE_NAMES = {"structured": "structured_outputs"}
+
+
+def request_fields(sampling: SamplingOptions) -> dict:
+    """The sampling options as OpenAI /v1/completions fields. OpenAI's own fields are sent unless unset (None or
+    empty); vLLM's extensions only where they differ from vLLM's defaults, since other servers may refuse them."""
+    body = {}
+    for f in dataclasses.fields(sampling):
+        value = getattr(sampling, f.name)
+        if f.metadata.get("vllm_extension"):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if value == default:
+                continue
+        elif value is None or value == [] or value == {}:
+            continue
+        body[WIRE_NAMES.get(f.name, f.name)] = value
+    return body
 
 
 class RemoteBackend:
@@ -44,28 +64,7 @@ class RemoteBackend:
             return False
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
-        s = request.sampling
-        body = {
-            "model": self.model, "prompt": request.prompt_token_ids, "stream": True,
-            "max_tokens": s.max_tokens, "n": s.n, "temperature": s.temperature, "top_p": s.top_p,
-            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
-        }
-        if s.seed is not None:
-            body["seed"] = s.seed
-        if s.stop:
-            body["stop"] = s.stop
-        if s.logprobs is not None:
-            body["logprobs"] = s.logprobs
-        if s.ignore_eos:
-            body["ignore_eos"] = True
-        # vLLM's extensions, sent only when they differ from its defaults (other servers may refuse them)
-        extras = {"top_k": (s.top_k, 0), "min_p": (s.min_p, 0.0), "repetition_penalty": (s.repetition_penalty, 1.0),
-                  "min_tokens": (s.min_tokens, 0), "stop_token_ids": (s.stop_token_ids, []),
-                  "skip_special_tokens": (s.skip_special_tokens, True),
-                  "include_stop_str_in_output": (s.include_stop_str_in_output, False),
-                  "logit_bias": ({str(k): v for k, v in (s.logit_bias or {}).items()}, {}),
-                  "structured_outputs": (s.structured, None)}
-        body.update({k: v for k, (v, default) in extras.items() if v != default})
+        body = {"model": self.model, "prompt": request.prompt_token_ids, "stream": True} | request_fields(request.sampling)
         body["stream_options"] = {"include_usage": True} | ({"continuous_usage_stats": True} if self.continuous_usage else {})
         counted: dict[int, int] = {}  # tokens per choice passed on so far
         held: Output | None = None  # without per-chunk usage, the latest output waits for the final usage chunk

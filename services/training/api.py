@@ -20,32 +20,18 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from sqlalchemy.exc import OperationalError
 
-from services.batch.api import ID, check_metadata, cursor, file_object, int_param, not_found, only_query, page, receive_upload
-from services.batch.store import new_id
-from services.gateway.errors import APIError, bad_request
-from swiftkv_core.distill import DistillConfig
+from services.common.errors import APIError, bad_request, not_found
+from services.common.files import file_object
+from services.common.ids import ID, new_id
+from services.common.pagination import cursor, int_param, only_query, page
+from services.common.uploads import receive_upload
+from services.common.validation import check_metadata
+from swiftkv_core.config import SwiftKVConfigError
 
+from .hyperparameters import DistillationHyperparameters, HyperparameterError
 from .metrics import jobs_finished
 
 JOB_FIELDS = {"model", "training_file", "validation_file", "method", "suffix", "seed", "metadata", "hyperparameters", "integrations"}
-_D = {f.name: f.default for f in DistillConfig.__dataclass_fields__.values()}
-# name -> (type, default, check, DistillConfig field); defaults are those of `swiftkv distill`
-HYPERPARAMETERS = {
-    "num_key_value_layers": (int, None, lambda v: v >= 1, "num_key_value_layers"),  # default: half the layers
-    "key_value_group_size": (int, _D["key_value_group_size"], lambda v: v >= 1, "key_value_group_size"),
-    "init": (str, _D["init"], lambda v: v in ("snowflake", "lstsq", "lstsq-qkv"), "init"),
-    "loss": (str, _D["loss"], lambda v: v in ("kl", "lm"), "loss"),
-    "temperature": (float, _D["temperature"], lambda v: 0 < v <= 100, "temperature"),
-    "learning_rate": (float, _D["lr"], lambda v: 0 < v < 1, "lr"),
-    "n_steps": (int, _D["max_steps"], lambda v: 1 <= v <= 1_000_000, "max_steps"),
-    "batch_size": (int, _D["batch_size"], lambda v: 1 <= v <= 4096, "batch_size"),
-    "seq_len": (int, _D["seq_len"], lambda v: 8 <= v <= 131072, "seq_len"),
-    "min_top1_agreement": (float, None, lambda v: 0 <= v <= 1, None),
-}
-RULES = {"init": "'snowflake', 'lstsq' or 'lstsq-qkv'", "loss": "'kl' or 'lm'", "temperature": "a number in (0, 100]",
-         "learning_rate": "a number in (0, 1)", "n_steps": "an integer from 1 to 1000000", "batch_size": "an integer from 1 to 4096",
-         "seq_len": "an integer from 8 to 131072", "min_top1_agreement": "a number from 0 to 1",
-         "num_key_value_layers": "a positive integer", "key_value_group_size": "a positive integer"}
 
 
 def job_object(j: dict) -> dict:
@@ -106,13 +92,13 @@ def model_source(name: str, models_dir: Path, allowed: list[str]) -> tuple[str, 
     a name `swiftkv models prepare` builds, ("local", folder) for a model folder in the models directory (by its name
     there, or a path into it), ("hub", id) for a hub id the operator allowed (allowed_models). Any other folder on
     this machine, and any other hub id, is a 400 saying what is allowed."""
-    from swiftkv_core import models
+    from swiftkv_core import catalog
 
     if len(name) > 512:
         raise bad_request(f"model names are at most 512 characters; got {len(name)}", param="model")
-    if name in models.fine_tuned(models_dir):
+    if name in catalog.fine_tuned(models_dir):
         raise bad_request(f"{name} is already a SwiftKV model; distill from its base model", param="model", code="model_not_supported")
-    if name in models.REGISTRY:
+    if name in catalog.REGISTRY:
         return "registered", name
     root = Path(os.path.abspath(models_dir))
     for candidate in (Path(os.path.abspath(root / name)), Path(os.path.abspath(name))):  # lexical: `..` cannot leave root
@@ -124,20 +110,20 @@ def model_source(name: str, models_dir: Path, allowed: list[str]) -> tuple[str, 
     local = sorted(p.parent.name for p in root.glob("*/config.json") if not p.parent.name.startswith(".")) if root.is_dir() else []
     raise bad_request(
         f"model {name!r} cannot be distilled here: name a model folder in the models directory ({', '.join(local[:20]) or 'none yet'}), "
-        f"a model `swiftkv models prepare` builds ({', '.join(models.REGISTRY)}) or a hub id the operator allowed "
+        f"a model `swiftkv models prepare` builds ({', '.join(catalog.REGISTRY)}) or a hub id the operator allowed "
         f"(allowed_models: {', '.join(allowed) or 'none'}); other folders on the server are not accepted",
         param="model", code="model_not_found")
 
 
 def fetch_model(source: tuple[str, str | Path], models_dir: Path) -> tuple[Path, dict]:
     """The model folder (prepared or downloaded now if need be) and its config.json; 400 when it is not a base Llama."""
-    from swiftkv_core import models
+    from swiftkv_core import catalog
 
     kind, name = source
     folder = Path(name)
     try:
         if kind == "registered":
-            folder = models.prepare(name, models_dir)
+            folder = catalog.prepare(name, models_dir)
         elif kind == "hub":
             from huggingface_hub import snapshot_download
 
@@ -159,10 +145,12 @@ def fetch_model(source: tuple[str, str | Path], models_dir: Path) -> tuple[Path,
     return folder.resolve(), config
 
 
-def parse_method(method) -> dict:
-    """The method with every hyperparameter checked and filled in but num_key_value_layers, whose default and
+HP = "method.distillation.hyperparameters"
+
+
+def parse_method(method) -> DistillationHyperparameters:
+    """The method's hyperparameters, each checked, defaults filled in but num_key_value_layers, whose default and
     bounds depend on the model (check_layout, once the model is known)."""
-    P = "method.distillation.hyperparameters"
     if method is None:
         method = {"type": "distillation"}
     if not isinstance(method, dict) or method.get("type") != "distillation":
@@ -175,37 +163,21 @@ def parse_method(method) -> dict:
         raise bad_request("method.distillation may hold only 'hyperparameters'", param="method.distillation")
     given = body.get("hyperparameters") or {}
     if not isinstance(given, dict):
-        raise bad_request(f"{P} must be an object", param=P)
-    hp = {}
-    for name, value in given.items():
-        if name not in HYPERPARAMETERS:
-            raise bad_request(f"unknown hyperparameter '{name}'; known: {', '.join(HYPERPARAMETERS)}", param=f"{P}.{name}")
-        kind, _, check, _ = HYPERPARAMETERS[name]
-        if value == "auto" or value is None:
-            continue
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or isinstance(value, bool) or not check(value):
-            raise bad_request(f"{name} must be {RULES[name]}, got {value!r}", param=f"{P}.{name}")
-        hp[name] = value
-    for name, (_, default, _, _) in HYPERPARAMETERS.items():
-        hp.setdefault(name, default)
-    return {"type": "distillation", "distillation": {"hyperparameters": hp}}
+        raise bad_request(f"{HP} must be an object", param=HP)
+    try:
+        return DistillationHyperparameters.from_request(given)
+    except HyperparameterError as e:
+        raise bad_request(str(e), param=f"{HP}.{e.field}")
 
 
-def check_layout(method: dict, layers: int) -> None:
-    """num_key_value_layers (default: half the layers) and the AcrossKV groups against the model's layers."""
-    P = "method.distillation.hyperparameters"
-    hp = method["distillation"]["hyperparameters"]
-    if hp["num_key_value_layers"] is None:
-        hp["num_key_value_layers"] = layers // 2
-    l, g = hp["num_key_value_layers"], hp["key_value_group_size"]
-    if not 1 <= l < layers:
-        raise bad_request(f"num_key_value_layers must be from 1 to {layers - 1} for this model ({layers} layers), got {l}",
-                          param=f"{P}.num_key_value_layers")
-    if (layers - l) % g:
-        raise bad_request(f"key_value_group_size {g} does not divide the {layers - l} layers after num_key_value_layers={l}",
-                          param=f"{P}.key_value_group_size")
+def check_layout(hp: DistillationHyperparameters, layers: int) -> dict:
+    """The job's method: num_key_value_layers (default: half the layers) and the AcrossKV groups checked against the
+    model's layers."""
+    try:
+        hp = hp.for_model(layers)
+    except SwiftKVConfigError as e:
+        raise bad_request(str(e), param=f"{HP}.{e.field}")
+    return {"type": "distillation", "distillation": {"hyperparameters": hp.model_dump()}}
 
 
 def build_router(service) -> APIRouter:
@@ -245,13 +217,14 @@ def build_router(service) -> APIRouter:
             raise bad_request("the body must be a JSON object")
         return body
 
-    # ---- files (the Batch API's store and file store) ---------------------------------------------
+    # ---- files (the file rows and file store, shared with the Batch API on one database) ------------
     @router.post("/v1/files")
     async def upload(request: Request):
-        return await receive_upload(request, owner(request), ("fine-tune", "batch"), settings.max_file_bytes, files, store, db, service.io)
+        return await receive_upload(request, owner(request), ("fine-tune", "batch"), settings.max_file_bytes, files, store.files, db,
+                                    service.io)
 
     async def find_file(who: str, file_id: str) -> dict | None:
-        return await db(store.get_file, who, file_id) if ID.fullmatch(file_id) else None  # an id no service hands out names nothing
+        return await db(store.files.get, who, file_id) if ID.fullmatch(file_id) else None  # an id no service hands out names nothing
 
     @router.get("/v1/files/{file_id}")
     async def get_file(request: Request, file_id: str):
@@ -301,14 +274,14 @@ def build_router(service) -> APIRouter:
         if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= 2**31 - 1):
             raise bad_request("seed must be an integer from 0 to 2147483647", param="seed")
         check_metadata(metadata)
-        method = parse_method(body.get("method"))
+        hyperparameters = parse_method(body.get("method"))
         source = await service.io(model_source, model, Path(settings.models_dir), settings.allowed_models)
         train = await input_file(who, body.get("training_file"), "training_file")
         valid = await input_file(who, body["validation_file"], "validation_file") if body.get("validation_file") else None
         # Only a request valid in every other respect prepares or downloads its model, on a thread of its own (it may
         # take minutes), so the store's threads keep serving.
         folder, config = await asyncio.to_thread(fetch_model, source, Path(settings.models_dir))
-        check_layout(method, config["num_hidden_layers"])
+        method = check_layout(hyperparameters, config["num_hidden_layers"])
         job_id = new_id("ftjob-")
         record = {"id": job_id, "owner": who, "model": model, "training_file": body["training_file"],
                   "validation_file": body.get("validation_file"), "method": method, "suffix": suffix,

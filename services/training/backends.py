@@ -19,7 +19,7 @@ def job_command(run_dir: Path, python: str = sys.executable) -> list[str]:
     return [python, "-m", "services.training.job", str(run_dir)]
 
 
-class LocalBackend:
+class LocalJobBackend:
     """One child per job, in a new session: cancel kills its whole group, and a kill -9 of the service leaves
     the child to finish its step (a restarted service follows it by pid, or restarts it from its checkpoint)."""
 
@@ -90,7 +90,7 @@ class LocalBackend:
         return path.read_text(errors="replace")[-2000:] if path.exists() else ""
 
 
-class RayBackend:
+class RayJobBackend:
     """Each attempt is a Ray job (`submission_id` = job id + attempt). The run folder must be on storage the
     cluster's workers share (the data dir on a shared volume); the entrypoint is the same module a local
     child runs, with the cluster's `python`."""

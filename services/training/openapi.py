@@ -1,16 +1,14 @@
 """What the trainer's routes accept (they parse their own requests, to answer in OpenAI's envelope), for its
-/openapi.json; merged into FastAPI's document by services.gateway.openapi.document."""
+/openapi.json; merged into FastAPI's document by services.common.openapi.document."""
 
 from __future__ import annotations
 
-from services.gateway.openapi import json_body, page_params, upload_body
+from services.common.openapi import json_body, page_params, upload_body
 
-from .api import HYPERPARAMETERS, JOB_FIELDS
+from .api import JOB_FIELDS
+from .hyperparameters import DistillationHyperparameters
 
-_KINDS = {int: {"type": "integer"}, float: {"type": "number"}, str: {"type": "string"}}
-_HYPERPARAMETERS = {"type": ["object", "null"], "additionalProperties": False,
-                    "properties": {name: {"anyOf": [_KINDS[kind], {"const": "auto"}, {"type": "null"}]}
-                                   for name, (kind, *_rest) in HYPERPARAMETERS.items()}}
+_HYPERPARAMETERS = DistillationHyperparameters.request_schema()
 _METHOD = {"type": ["object", "null"], "additionalProperties": False, "required": ["type"], "properties": {
     "type": {"const": "distillation"},
     "distillation": {"type": ["object", "null"], "additionalProperties": False, "properties": {"hyperparameters": _HYPERPARAMETERS}}}}

@@ -1,5 +1,6 @@
-"""`swiftkv trainer serve`: the distillation job service, a FastAPI app of its own (not part of the gateway)
-sharing the Batch API's store and file store, with one worker loop running one job at a time."""
+"""`swiftkv trainer serve`: the distillation job service, a FastAPI app of its own (not part of the gateway) with its
+own store and file store (the Files API's tables and layout, as the Batch API keeps them), and one worker loop
+running one job at a time."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ from pydantic import field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from starlette.responses import JSONResponse, Response
 
-from services.batch.files import FileStore
-from services.batch.threads import Threads
-from services.gateway.auth import KeyStore
-from services.gateway.errors import APIError, error_response
+from services.common.errors import APIError, error_response
+from services.common.files import FileStore
+from services.common.keys import KeyStore
+from services.common.threads import Threads
 
 from .api import build_router
-from .backends import LocalBackend, RayBackend
+from .backends import LocalJobBackend, RayJobBackend
+from .hyperparameters import DistillationHyperparameters
 from .metrics import STATUSES, jobs_by_status
 from .store import TrainingStore
 from .worker import Worker
@@ -78,8 +80,8 @@ class TrainerService:
         settings.data_dir = str(data_dir.resolve())
         self.store = TrainingStore(settings.database_url or f"sqlite:///{data_dir / 'swiftkv.db'}")
         self.files = FileStore(data_dir / "files")
-        self.io = Threads(2)
-        backend = RayBackend(settings.ray_address, num_gpus=settings.ray_num_gpus) if settings.ray_address else LocalBackend()
+        self.io = Threads(2, "swiftkv-training")
+        backend = RayJobBackend(settings.ray_address, num_gpus=settings.ray_num_gpus) if settings.ray_address else LocalJobBackend()
         self.worker = Worker(self.store, self.files, settings, backend)
         self.wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -100,9 +102,7 @@ class TrainerService:
         s = self.settings
         spec = {
             "distill": {"base": str(base), "out": str(run_dir / "out"), "data": str(run_dir / "train.jsonl"),
-                        "num_key_value_layers": hp["num_key_value_layers"], "key_value_group_size": hp["key_value_group_size"],
-                        "loss": hp["loss"], "temperature": hp["temperature"], "init": hp["init"], "lr": hp["learning_rate"],
-                        "max_steps": hp["n_steps"], "batch_size": hp["batch_size"], "seq_len": hp["seq_len"], "seed": seed,
+                        **DistillationHyperparameters.model_validate(hp).distill_settings(), "seed": seed,
                         "log_every": 1, "checkpoint_every": s.checkpoint_every, "threads": s.threads, "progress": False,
                         # the teacher's side of each row computed once (a resumed attempt reuses it): a step is the
                         # student's later layers and the head only
@@ -151,7 +151,7 @@ def create_app(settings: TrainerSettings) -> FastAPI:
     app.include_router(build_router(service))
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from services.gateway.openapi import document
+    from services.common.openapi import document
 
     from .openapi import OPERATIONS
 

@@ -1,13 +1,19 @@
-"""Fine-tuning jobs, their events and checkpoints: tables in the Batch API's store (same SQLAlchemy engine,
-SQLite file by default, PostgreSQL by URL), so files uploaded once serve both services."""
+"""Fine-tuning jobs, their events and checkpoints, beside the file records (services.common.files) in one database
+(an SQLite file by default, PostgreSQL by URL): given the gateway's database, files uploaded once serve both the
+Batch API and the trainer."""
 
 from __future__ import annotations
 
 import time
 
-from sqlalchemy import JSON, BigInteger, Column, Integer, String, Table, Text, func, insert, select, update
+from sqlalchemy import JSON, BigInteger, Column, Integer, MetaData, String, Table, Text, func, insert, select, update
 
-from services.batch.store import BatchStore, metadata, new_id
+from services.common.database import open_database, select_page
+from services.common.files import FileRows
+from services.common.files import metadata as file_metadata
+from services.common.ids import new_id
+
+metadata = MetaData()
 
 jobs = Table(
     "swiftkv_ft_jobs", metadata,
@@ -58,8 +64,15 @@ ACTIVE = ("validating_files", "queued", "running")
 FINAL = ("succeeded", "failed", "cancelled")
 
 
-class TrainingStore(BatchStore):
-    """The Batch store (files) plus the jobs tables; every method is short and synchronous."""
+class TrainingStore:
+    """The jobs tables, beside the file rows (`files`, the file-records store); every method is short and synchronous."""
+
+    def __init__(self, url: str):
+        self.engine = open_database(url, file_metadata, metadata)
+        self.files = FileRows(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
 
     def add_job(self, record: dict) -> None:
         with self.engine.begin() as conn:
@@ -76,7 +89,7 @@ class TrainingStore(BatchStore):
         return dict(row) if row else None
 
     def list_jobs(self, owner: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        return self.page(jobs, select(jobs).where(jobs.c.owner == owner), after, limit)
+        return select_page(self.engine, jobs, select(jobs).where(jobs.c.owner == owner), after, limit)
 
     def update_job(self, job_id: str, when: tuple[str, ...] | None = None, **values) -> bool:
         """Change a job, only if its status is in `when` (None: any); True when it changed."""
@@ -101,7 +114,7 @@ class TrainingStore(BatchStore):
                                                message=message, type=type, data=data or {}))
 
     def list_events(self, job_id: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        return self.page(events, select(events).where(events.c.job_id == job_id), after, limit)
+        return select_page(self.engine, events, select(events).where(events.c.job_id == job_id), after, limit)
 
     def last_step_event(self, job_id: str) -> int:
         """The highest step already reported as a metrics event (a restarted worker reports only later ones)."""
@@ -130,12 +143,8 @@ class TrainingStore(BatchStore):
 
     def finish_files(self, records: list[dict]) -> None:
         """Result files, ids derived from the job: a repeated finish replaces them."""
-        from services.batch.store import files
-
         with self.engine.begin() as conn:
-            for record in records:
-                conn.execute(files.delete().where(files.c.id == record["id"]))
-                conn.execute(insert(files).values(**record))
+            self.files.replace(conn, records)
 
     def count_by_status(self) -> dict[str, int]:
         with self.engine.connect() as conn:

@@ -10,8 +10,8 @@ import shutil
 import time
 from pathlib import Path
 
+from swiftkv_core.catalog import register_fine_tuned
 from swiftkv_core.distill import METRICS_FILE, STATE_FILE
-from swiftkv_core.models import register_fine_tuned
 
 from .job import STOPPED
 from .metrics import jobs_finished, step_seconds, tokens_per_second, trained_tokens

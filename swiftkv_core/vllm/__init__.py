@@ -9,7 +9,7 @@ by its import path, and the base Llama (`LlamaForCausalLM`) is left exactly as v
 from __future__ import annotations
 
 ARCHITECTURE = "LlamaSwiftKVForCausalLM"
-MODEL_CLASS = "swiftkv_core.vllm.model:LlamaSwiftKVForCausalLM"
+MODEL_CLASS = "swiftkv_core.vllm.llama_swiftkv:VllmLlamaSwiftKVForCausalLM"
 
 
 def register() -> None:

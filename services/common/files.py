@@ -1,17 +1,47 @@
-"""Files: their contents in a directory (a PVC in a cluster; one file per id, written atomically), and what the
-store's file rows do not say: when each file expires and how many bytes each key holds."""
+"""Files as the OpenAI Files API has them, for every service that takes uploads: their contents in a directory (a
+PVC in a cluster; one file per id, written atomically), their rows in the service's database (`FileRows`, the
+file-records store each service's store holds), and what the rows do not say (`FileRecords`): when each file
+expires and how many bytes each key holds."""
 
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Iterable, Protocol
 
-from sqlalchemy import BigInteger, Column, String, Table, case, delete, func, insert, null, or_, select
-from sqlalchemy.engine import Connection
+from sqlalchemy import BigInteger, Column, MetaData, String, Table, case, delete, func, insert, null, or_, select
+from sqlalchemy.engine import Connection, Engine
 
-from .store import BatchStore, files, metadata
+from .database import select_page
+
+# The file tables, created by every store that holds file rows (open_database(url, ..., metadata)).
+metadata = MetaData()
+
+files = Table(
+    "swiftkv_files", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("owner", String(64), nullable=False, index=True),
+    Column("purpose", String(32), nullable=False),
+    Column("filename", String(512), nullable=False),
+    Column("bytes", BigInteger, nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+)
+
+# Expiry set at upload (`expires_after`), one row per such file. A table of its own, so a database created before
+# files expired needs no migration.
+expiry = Table(
+    "swiftkv_file_expiry", metadata,
+    Column("file_id", String(64), primary_key=True),
+    Column("expires_at", BigInteger, nullable=False, index=True),
+)
+STALE_PART_SECONDS = 3600  # a part file untouched this long belongs to an upload or a write that died
+
+
+def file_object(f: dict) -> dict:
+    """OpenAI's File object from a file row (with its `expires_at` when known)."""
+    return {"id": f["id"], "object": "file", "bytes": f["bytes"], "created_at": f["created_at"], "filename": f["filename"],
+            "purpose": f["purpose"], "status": "processed", "expires_at": f.get("expires_at"), "status_details": None}
 
 
 class FileTooLarge(Exception):
@@ -96,23 +126,57 @@ class FileStore:
                 pass
 
 
-# Expiry set at upload (`expires_after`), one row per such file. A table of its own, so a database created before
-# files expired needs no migration: on the store's metadata, so the store creates it with its own tables.
-expiry = Table(
-    "swiftkv_file_expiry", metadata,
-    Column("file_id", String(64), primary_key=True),
-    Column("expires_at", BigInteger, nullable=False, index=True),
-)
-STALE_PART_SECONDS = 3600  # a part file untouched this long belongs to an upload or a write that died
+class FileRows:
+    """The file-records store: the Files API's rows in a service's database, each owned by one key. Every method is
+    short and synchronous; async callers run them in a thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def add(self, record: dict) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(insert(files).values(**record))
+
+    def get(self, owner: str, file_id: str) -> dict | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(files).where(files.c.id == file_id, files.c.owner == owner)).mappings().first()
+        return dict(row) if row else None
+
+    def list_page(self, owner: str, purpose: str | None, after: str | None, limit: int, descending: bool) -> tuple[list[dict], bool]:
+        """The key's files (of one purpose, when given), a page at a time."""
+        q = select(files).where(files.c.owner == owner)
+        if purpose:
+            q = q.where(files.c.purpose == purpose)
+        return select_page(self.engine, files, q, after, limit, descending)
+
+    def delete(self, owner: str, file_id: str) -> bool:
+        with self.engine.begin() as conn:
+            return conn.execute(files.delete().where(files.c.id == file_id, files.c.owner == owner)).rowcount == 1
+
+    def replace(self, conn: Connection, records: Iterable[dict]) -> None:
+        """Write files whose ids derive from a job (a batch's output, a training job's results) in the caller's
+        transaction: a repeated finish replaces them."""
+        for record in records:
+            conn.execute(files.delete().where(files.c.id == record["id"]))
+            conn.execute(insert(files).values(**record))
+
+
+class FileHolder(Protocol):
+    """A service's store as FileRecords uses it: its file rows, and which files its jobs still read."""
+
+    files: FileRows
+
+    def file_in_use(self, file_id: str) -> bool: ...
 
 
 class FileRecords:
-    """When files expire and what each key holds, over the store's file rows. A file expires at its own
+    """When files expire and what each key holds, over a store's file rows. A file expires at its own
     `expires_at`, else, for the purposes in `default_seconds` (batch input and output files), that long after its
     creation (read at each use, so a changed setting applies to the files already there), else never."""
 
-    def __init__(self, store: BatchStore, contents: FileStore, default_seconds: dict[str, int]):
+    def __init__(self, store: FileHolder, contents: FileStore, default_seconds: dict[str, int]):
         self.store, self.contents, self.default_seconds = store, contents, default_seconds
+        self.engine = store.files.engine
         self.joined = files.outerjoin(expiry, expiry.c.file_id == files.c.id)
         default = case(*((files.c.purpose == p, files.c.created_at + s) for p, s in default_seconds.items()),
                        else_=null()) if default_seconds else null()
@@ -128,7 +192,7 @@ class FileRecords:
 
     def get(self, owner: str, file_id: str) -> dict | None:
         """The file with its `expires_at`, while it has not expired."""
-        with self.store.engine.connect() as conn:
+        with self.engine.connect() as conn:
             row = conn.execute(select(files, self.expires_at.label("expires_at")).select_from(self.joined)
                                .where(files.c.id == file_id, files.c.owner == owner, self.live())).mappings().first()
         return dict(row) if row else None
@@ -137,7 +201,7 @@ class FileRecords:
         """Store rows (a listed page) with their `expires_at`."""
         if not rows:
             return rows
-        with self.store.engine.connect() as conn:
+        with self.engine.connect() as conn:
             when = dict(conn.execute(select(files.c.id, self.expires_at).select_from(self.joined)
                                      .where(files.c.id.in_([r["id"] for r in rows]))).all())
         return [r | {"expires_at": when.get(r["id"])} for r in rows]
@@ -145,14 +209,14 @@ class FileRecords:
     def used(self, owner: str, conn: Connection | None = None) -> int:
         """Bytes of the key's files that have not expired: uploads and batch output alike."""
         if conn is None:
-            with self.store.engine.connect() as conn:
+            with self.engine.connect() as conn:
                 return self.used(owner, conn)
         return int(conn.execute(self.sums.where(files.c.owner == owner, self.live())).scalar_one())
 
     def add(self, record: dict, expires_at: int | None, quota: int | None) -> None:
         """The file's row (and its expiry) in one transaction, refused with QuotaExceeded (nothing kept) when the
         key's files would then hold more than `quota` bytes."""
-        with self.store.engine.begin() as conn:
+        with self.engine.begin() as conn:
             conn.execute(insert(files).values(**record))
             if expires_at is not None:
                 conn.execute(insert(expiry).values(file_id=record["id"], expires_at=expires_at))
@@ -161,15 +225,15 @@ class FileRecords:
 
     def remove(self, owner: str, file_id: str) -> None:
         """The row, its expiry and the contents (the contents last: a file is never listed without them)."""
-        if self.store.delete_file(owner, file_id):
+        if self.store.files.delete(owner, file_id):
             self.contents.delete(file_id)
-        with self.store.engine.begin() as conn:
+        with self.engine.begin() as conn:
             conn.execute(delete(expiry).where(expiry.c.file_id == file_id))
 
     def sweep(self, limit: int = 1000) -> int:
-        """Remove up to `limit` expired files (an input of a batch still running waits for the batch to end) and
-        abandoned part files; returns how many files went."""
-        with self.store.engine.connect() as conn:
+        """Remove up to `limit` expired files (one the store's jobs still read, the input of a batch still running,
+        waits for them to end) and abandoned part files; returns how many files went."""
+        with self.engine.connect() as conn:
             due = conn.execute(select(files.c.id, files.c.owner).select_from(self.joined)
                                .where(self.expires_at <= int(time.time())).order_by(self.expires_at).limit(limit)).all()
         removed = 0

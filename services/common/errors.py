@@ -1,4 +1,4 @@
-"""OpenAI's error envelope: `{"error": {"message", "type", "param", "code"}}` with the matching status."""
+"""OpenAI's error envelope: `{"error": {"message", "type", "param", "code"}}` with the matching status, for every service."""
 
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
+
+
+def not_found(kind: str, id_: str, param: str | None = None) -> APIError:
+    """A 404 naming what was looked for (`file_not_found`, `batch_not_found`, ...); another key's object is one too."""
+    return APIError(404, f"no such {kind}: {id_[:64]}", param=param, code=f"{kind}_not_found")
 
 
 def sse_error(message: str, type: str = "server_error", code: str | None = None) -> bytes:

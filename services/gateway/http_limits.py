@@ -18,8 +18,9 @@ import logging
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from services.common.errors import error_body, error_response
+
 from . import metrics
-from .errors import error_body, error_response
 
 log = logging.getLogger("swiftkv.gateway")
 

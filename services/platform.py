@@ -73,6 +73,39 @@ def _check_machine(cfg, engine: str) -> None:
                 check_cpu_cores_fit(pool.cpu_cores, f"pools.{name}.cpu_cores")
         except UnsupportedSetting as e:
             fail(str(e))
+        refusal = speculation_refusal(name, pool, on_cpu)
+        if refusal:
+            fail(refusal)
+
+
+def speculation_refusal(name: str, pool, on_cpu: bool) -> str | None:
+    """Why this machine cannot start the pool's engines with their speculative decoding (None: it can): suffix
+    decoding without Arctic Inference installed, or a SwiftKV model where SwiftKV cannot verify drafts. The
+    engines refuse both too, but only once each has started loading."""
+    import importlib.util
+    import json
+
+    speculation = pool.speculation
+    if not isinstance(speculation, dict):  # none, or vLLM's JSON text in engine_args: the engine checks that
+        return None
+    setting = f"pools.{name}.speculative" if pool.speculative.enabled else f"pools.{name}.engine_args.speculative_config"
+    if speculation.get("method") == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+        return (f"{setting}: method suffix runs Arctic Inference's suffix decoding, and the arctic_inference package is "
+                "not installed here (`pip install arctic-inference`: an sdist that compiles a C++ extension); "
+                "or use method ngram")
+    config_file = Path(pool.model) / "config.json"
+    if config_file.is_file():
+        from swiftkv_core.vllm.speculation import is_swiftkv_checkpoint
+        from swiftkv_core.vllm.speculation import speculation_refusal as swiftkv_refusal
+
+        try:
+            hf_config = json.loads(config_file.read_text())
+        except (OSError, ValueError):
+            return None  # the engine says what is wrong with it
+        refusal = swiftkv_refusal(on_cpu, speculation.get("method")) if is_swiftkv_checkpoint(hf_config) else None
+        if refusal:
+            return f"{setting}: pool {name} serves the SwiftKV model {pool.model}: {refusal}"
+    return None
 
 
 def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str | None = None, ray_metrics_port: int = 8080,
@@ -108,7 +141,7 @@ def run_platform(cfg, engine: str, log_level: str = "info", api_keys_file: str |
 
 
 def _keys(keys_file: str | None):
-    from services.gateway.auth import KeyStore
+    from services.common.keys import KeyStore
 
     try:
         return KeyStore.from_env(keys_file)
@@ -121,7 +154,7 @@ def _serve(cfg, engine: str, keys_file: str | None, batch, ray_metrics_port: int
     import uvicorn
 
     from services.gateway.app import Gateway, create_app
-    from services.gateway.edge import edge_protocol
+    from services.gateway.http_limits import edge_protocol
     from services.gateway.prompts import Prompter
     from services.serving.pools import build_backends
 
@@ -176,8 +209,8 @@ def _serve(cfg, engine: str, keys_file: str | None, batch, ray_metrics_port: int
 
 def _serve_worker(index: int, sock, cfg_data: dict, engine: str, logs: Logs, keys_file: str | None,
                   ray_metrics_port: int | None) -> None:
-    """A worker process of `--workers N` (started by services.workers.Supervisor)."""
-    from services.serving.config import PlatformConfig
+    """A worker process of `--workers N` (started by services.gateway_workers.Supervisor)."""
+    from services.config import PlatformConfig
 
     logs.configure(worker=index)
     cfg = PlatformConfig.model_validate(cfg_data)
@@ -190,7 +223,7 @@ def _serve_worker(index: int, sock, cfg_data: dict, engine: str, logs: Logs, key
 
 def _run_workers(cfg, engine: str, logs: Logs, log_file: str | None, keys_file: str | None, ray_metrics_port: int, workers: int) -> None:
     """`--workers N`: bind the port, deploy Ray pools once (each worker attaches to them), supervise N gateways."""
-    from services.workers import Supervisor, bind
+    from services.gateway_workers import Supervisor, bind
 
     log = logging.getLogger("swiftkv.workers")
     if not cfg.redis_url:
@@ -302,9 +335,12 @@ def serve_command(
                                                       "(also SWIFTKV_LOG_FORMAT)")] = None,
     log_file: Annotated[Optional[str], typer.Option(help="Where engine and library logs go (also SWIFTKV_LOG_FILE; default "
                                                     "DATA_DIR/logs/serve.log); - keeps them on the console")] = None,
+    print_config: Annotated[bool, typer.Option("--print-config", help="Print the platform config this command would serve "
+                                               "(the embedded default or --config, with the flags and SWIFTKV_* variables "
+                                               "applied) as YAML, and exit")] = False,
 ) -> None:
     """Run the OpenAI-compatible gateway and its engine pools."""
-    from services.serving.config import load_config
+    from services.config import load_config
 
     settings = ServeSettings()
     engine = engine or settings.engine
@@ -341,9 +377,29 @@ def serve_command(
              "(backend: remote, url: ...), or keep one worker")
     if config is None:
         default_models(cfg, prepare=False)
+    if print_config:
+        typer.echo(printable_config(cfg, config), nl=False)
+        raise typer.Exit(0)
     _check_models(cfg)
     run_platform(cfg, engine, log_level, api_keys_file or settings.api_keys_file, settings.ray_metrics_port, cfg.workers, log_format,
                  log_file or settings.log_file or None)
+
+
+def printable_config(cfg, source: Path | None) -> str:
+    """The effective platform config as YAML that `swiftkv serve --config` reads back, every setting spelled out;
+    passwords in store URLs and remote pools' keys shown as ***."""
+    import yaml
+
+    data = cfg.model_dump(mode="json")
+    for field in ("database_url", "redis_url"):
+        if data.get(field):
+            data[field] = hide_password(data[field])
+    for pool in data["pools"].values():
+        if pool.get("api_key"):
+            pool["api_key"] = "***"
+    header = (f"# The platform config `swiftkv serve` runs: {source or 'the embedded default'} with flags and SWIFTKV_* "
+              "variables applied.\n# Passwords and keys are shown as ***.\n")
+    return header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
 def _log_options(level: str, fmt: str) -> tuple[str, str]:
@@ -360,7 +416,7 @@ def demo_command(
     port: Annotated[Optional[int], typer.Option(help="Override the port (default 8000)")] = None,
 ) -> None:
     """Prepare SmolLM2 and its SwiftKV version offline, then serve them with the default config."""
-    from services.serving.config import load_config
+    from services.config import load_config
 
     cfg = load_config(None, {"port": port})
     default_models(cfg, prepare=True)
@@ -386,29 +442,31 @@ def default_models(cfg, prepare: bool) -> None:
             typer.secho(f"pool prefill: cannot prepare {Path(prefill.model).name}: {e}", fg=typer.colors.YELLOW)
     undistilled = Path(prefill.model).parent / (Path(prefill.model).name + "-undistilled")
     if prepare and not (undistilled / "config.json").exists():
-        _convert_half(Path(decode.model), undistilled)
+        _convert_undistilled(Path(decode.model), undistilled)
     if (undistilled / "config.json").exists():
         prefill.model = str(undistilled)
         typer.secho(f"pool prefill: no distilled SwiftKV model yet; serving the undistilled {undistilled}", fg=typer.colors.YELLOW)
 
 
 def _prepare(model_name: str) -> Path | None:
-    from swiftkv_core import models
+    from swiftkv_core import catalog
 
-    if model_name not in models.REGISTRY:
+    if model_name not in catalog.REGISTRY:
         return None
     typer.echo(f"preparing {model_name} (offline, once)...")
-    return models.prepare(model_name, Path(models.DEFAULT_MODELS_DIR))
+    return catalog.prepare(model_name, Path(catalog.DEFAULT_MODELS_DIR))
 
 
-def _convert_half(base: Path, out: Path) -> None:
+def _convert_undistilled(base: Path, out: Path) -> None:
     import json
 
+    from swiftkv_core.config import default_num_key_value_layers
     from swiftkv_core.convert import convert
 
     layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
-    typer.echo(f"converting {base} to SwiftKV (l = {layers // 2} of {layers}) -> {out}")
-    convert(str(base), out, num_key_value_layers=layers // 2)
+    l = default_num_key_value_layers(layers)
+    typer.echo(f"converting {base} to SwiftKV (l = {l} of {layers}) -> {out}")
+    convert(str(base), out, num_key_value_layers=l)
 
 
 def register_serving_commands(app: typer.Typer) -> None:

@@ -7,8 +7,8 @@ One forward step over a batch of scheduled tokens (prefill chunks and decode tok
                            ONE GEMM: kv_in @ [K_l.. | V_l..] for every AcrossKV group leader >= l,
                            RoPE on all those keys at once, then each leader's paged cache is written
                            for every token (`unified_kv_cache_update`)
-    layers l..L-1          only the tokens that need logits (decode tokens, last token of each
-                           prefill chunk): Q from q_proj_swiftkv, attention over the cache written
+    layers l..L-1          only the tokens that need logits (decode and draft tokens, the last token of
+                           each prefill chunk): Q from q_proj_swiftkv, attention over the cache written
                            above (a group's later layers read their leader's cache through vLLM's
                            `kv_sharing_target_layer_name`, so they allocate none), o_proj, MLP
     final norm             rows that need logits; all other rows of the output are zeros (never read:
@@ -19,7 +19,7 @@ norm are two compile units (`SwiftKVLowerLayers`, `SwiftKVLaterLayers`); the glu
 writes, token selection, metadata) stays eager. Later layers build no k/v projections at all and the original q/k/v tensors of layers >= l are
 skipped at load time. The checkpoint format is Snowflake's (`model.norm_swiftkv`,
 `self_attn.q_proj_swiftkv`, `self_attn.{k,v}_proj_swiftkv` on group leaders), so their published
-checkpoints and ours load unchanged. Reference semantics: `swiftkv_core.modeling`.
+checkpoints and ours load unchanged. Reference semantics: `swiftkv_core.modeling_llama_swiftkv`.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def attend_cached(attn: Attention, query: torch.Tensor, key: torch.Tensor, value
     return output
 
 
-class SwiftKVAttention(nn.Module):
+class SwiftKVLaterAttention(nn.Module):
     """Self-attention of a later layer: its own Q projection, K/V taken from the paged cache."""
 
     def __init__(self, vllm_config: VllmConfig, prefix: str, kv_sharing_target_layer_name: str | None):
@@ -154,13 +154,13 @@ class SwiftKVAttention(nn.Module):
         return output
 
 
-class SwiftKVDecoderLayer(nn.Module):
-    """A later layer (i >= l): LlamaDecoderLayer with SwiftKVAttention."""
+class SwiftKVLaterDecoderLayer(nn.Module):
+    """A later layer (i >= l): LlamaDecoderLayer with SwiftKVLaterAttention."""
 
     def __init__(self, vllm_config: VllmConfig, prefix: str, kv_sharing_target_layer_name: str | None):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        self.self_attn = SwiftKVAttention(vllm_config, f"{prefix}.self_attn", kv_sharing_target_layer_name)
+        self.self_attn = SwiftKVLaterAttention(vllm_config, f"{prefix}.self_attn", kv_sharing_target_layer_name)
         self.mlp = LlamaMLP(
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
@@ -236,6 +236,10 @@ class SwiftKVLlamaModel(nn.Module):
         L = config.num_hidden_layers
         self.num_kv_layers = l = getattr(config, "num_key_value_layers", None) or L
         self.group_size = g = getattr(config, "key_value_group_size", 1) or 1
+        # Tokens per request that continue past layer l: the last one, plus every draft position under speculative
+        # decoding (verification needs logits at each; `logits_tokens`).
+        speculative = vllm_config.speculative_config
+        self.queries_per_request = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
         # The AcrossKV group leaders among the later layers: each owns one KV projection and cache.
         self.leaders = list(range(l, L, g))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config)
@@ -243,7 +247,7 @@ class SwiftKVLlamaModel(nn.Module):
         for i in range(l, L):
             leader = config.kv_group_leader(i)
             target = None if leader == i else _attn_name(leader, prefix)
-            layers.append(SwiftKVDecoderLayer(vllm_config, f"{prefix}.layers.{i}", target))
+            layers.append(SwiftKVLaterDecoderLayer(vllm_config, f"{prefix}.layers.{i}", target))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if self.leaders:
@@ -305,7 +309,7 @@ class SwiftKVLlamaModel(nn.Module):
         if not isinstance(attn_metadata, dict):
             raise NotImplementedError("SwiftKV does not support micro-batched (DBO) attention metadata")
         attn = self.layers[self.num_kv_layers].self_attn.attn
-        return select_logits_tokens(attn_metadata[attn.layer_name], attn)
+        return select_logits_tokens(attn_metadata[attn.layer_name], attn, self.queries_per_request)
 
     @contextmanager
     def later_layers_metadata(self, metadata):
@@ -325,7 +329,10 @@ class SwiftKVLlamaModel(nn.Module):
 _LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(\w+)$")
 
 
-class LlamaSwiftKVForCausalLM(nn.Module):
+class VllmLlamaSwiftKVForCausalLM(nn.Module):
+    """vLLM's SwiftKV Llama, registered for the checkpoint architecture `LlamaSwiftKVForCausalLM` (the name of the
+    reference model in `modeling_llama_swiftkv`, which checkpoints list in `architectures`)."""
+
     packed_modules_mapping = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],

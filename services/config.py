@@ -69,6 +69,48 @@ class Replicas(StrictModel):
         return self
 
 
+class SpeculativeConfig(StrictModel):
+    """Speculative decoding of a pool's engines without a draft model: vLLM proposes tokens by looking the
+    recent output up in the prompt (`ngram`) or in suffix trees of the prompt and earlier answers (`suffix`,
+    Arctic Inference's), and one step verifies them all. Lossless: greedy output is the same as without it."""
+
+    method: Literal["ngram", "suffix", "none"] = Field("none", description="ngram (prompt lookup), suffix (Arctic "
+                                                        "Inference's suffix decoding; needs `arctic_inference` in "
+                                                        "the engine's environment) or none")
+    num_speculative_tokens: int | None = Field(None, ge=1, description="tokens proposed per step; required for "
+                                               "ngram; suffix: the most per step (default: vLLM's, 24)")
+    prompt_lookup_min: int | None = Field(None, ge=1, description="ngram: shortest n-gram matched in the prompt "
+                                          "(default: prompt_lookup_max, or vLLM's 5)")
+    prompt_lookup_max: int | None = Field(None, ge=1, description="ngram: longest n-gram matched in the prompt "
+                                          "(default: prompt_lookup_min, or vLLM's 5)")
+
+    @model_validator(mode="after")
+    def _combination(self) -> "SpeculativeConfig":
+        lookup = [f for f in ("prompt_lookup_min", "prompt_lookup_max") if getattr(self, f) is not None]
+        if self.method == "ngram" and self.num_speculative_tokens is None:
+            raise ValueError("num_speculative_tokens is required with method ngram: how many tokens to "
+                             "propose per step, e.g. 4")
+        if self.method != "ngram" and lookup:
+            raise ValueError(f"{lookup[0]} applies to method ngram only, not {self.method}")
+        if lookup == ["prompt_lookup_min", "prompt_lookup_max"] and self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max}): the n-grams matched run from min to max tokens")
+        if self.method == "none" and self.num_speculative_tokens is not None:
+            raise ValueError("num_speculative_tokens has no effect with method none: set a method "
+                             "(ngram or suffix) or drop it")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    def vllm_config(self) -> dict[str, Any] | None:
+        """vLLM's `speculative_config` (None: no speculation); unset fields are left to vLLM's defaults."""
+        if not self.enabled:
+            return None
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
 class PoolConfig(StrictModel):
     model: str = Field(description="local folder or hub id of the model this pool serves")
     served_model_name: str | None = Field(None, description="name clients use to bypass routing; default '<public>-<pool>'")
@@ -79,6 +121,8 @@ class PoolConfig(StrictModel):
     engine_args: dict[str, Any] = Field(default_factory=dict, description="vLLM AsyncEngineArgs fields")
     replicas: Replicas = Field(default_factory=Replicas)
     warmup: bool = True
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig,
+                                           description="speculative decoding of this pool's engines (vLLM's speculative_config)")
     ray_app: str | None = Field(None, description="Ray Serve application already running this pool (a KubeRay RayService's): "
                                 "the gateway attaches to it by name instead of deploying its own (--engine ray, with ray_address)")
     tool_call_parser: str | None = Field(None, description="vLLM tool-call parser for this model's tool-call format "
@@ -87,6 +131,11 @@ class PoolConfig(StrictModel):
                            "bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto (several in-process engines: each its own "
                            "cores; one: vLLM's own binding), nobind, or CPU ids such as 0, 0-3 or 0,2 (one list per worker, "
                            "separated by |); Ray replicas and GPUs keep vLLM's own")
+
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _null_is_off(cls, v):  # `speculative:` left empty in YAML (or a chart's null) means no speculation
+        return {} if v is None else v
 
     @field_validator("cpu_cores", mode="before")
     @classmethod
@@ -99,8 +148,24 @@ class PoolConfig(StrictModel):
             raise ValueError("a remote pool needs `url`")
         if self.backend == "remote" and self.ray_app:
             raise ValueError("`ray_app` is for engine pools on Ray; a remote pool is reached at its `url`")
+        if self.backend == "remote" and self.speculative.enabled:
+            raise ValueError("`speculative` is for engine pools: a remote server decides its own speculative decoding "
+                             "(vLLM: its --speculative-config flag), which no OpenAI request can change")
+        if self.speculative.enabled and "speculative_config" in self.engine_args:
+            raise ValueError("speculative decoding is set twice, in `speculative` and engine_args.speculative_config: "
+                             "keep one")
         self.cpu_cores = check_cpu_cores(self.cpu_cores, self.engine_workers)
         return self
+
+    def vllm_engine_args(self) -> dict[str, Any]:
+        """The AsyncEngineArgs fields an engine of this pool starts with: engine_args plus `speculative`."""
+        speculative = self.speculative.vllm_config()
+        return self.engine_args if speculative is None else {**self.engine_args, "speculative_config": speculative}
+
+    @property
+    def speculation(self) -> dict[str, Any] | None:
+        """The speculative_config the pool's engines run with, from `speculative` or engine_args; None: none."""
+        return self.speculative.vllm_config() or self.engine_args.get("speculative_config") or None
 
     @property
     def engine_workers(self) -> int:

@@ -1,0 +1,147 @@
+"""Dispatch: the pool an admitted request goes to (the route policy), the call to that pool's backend with the
+gateway's bookkeeping (metrics, backlog, output estimate, settling the key's output tokens), and one retry on
+another pool when the chosen one goes down before the first token."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from contextlib import aclosing
+from typing import AsyncIterator, Callable
+
+from services.common.errors import APIError
+from services.serving.backend import BackendDown, GenerateRequest, Output
+
+from . import metrics
+from .admission import AdmittedRequest
+from .rate_limits import RateLimiter
+from .routing import Decision, Ewma, NoPoolAvailable, PoolState, RoutePolicy
+
+log = logging.getLogger("swiftkv.gateway")
+
+
+class Dispatcher:
+    def __init__(self, pools: dict[str, PoolState], policy: RoutePolicy, limiter: RateLimiter, output_estimate: Ewma,
+                 set_ready: Callable[[PoolState, bool], None], retry_after: dict[str, str]):
+        self.pools = pools
+        self.policy = policy
+        self.limiter = limiter
+        self.output_estimate = output_estimate  # admission's: answers that ran to their end update it
+        self.set_ready = set_ready  # the pool lifecycle's: a pool found down leaves routing at once
+        self.retry_after = retry_after
+        self._settling: set[asyncio.Task] = set()
+
+    def choose(self, admitted: AdmittedRequest) -> Decision:
+        """The pool for an admitted request, on its prompt tokens and expected output; a 503 when none is ready."""
+        try:
+            return self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, admitted.pinned)
+        except NoPoolAvailable as e:
+            raise APIError(503, f"{e}; try again shortly", "server_error", code="unavailable", headers=self.retry_after) from None
+
+    async def stream(self, admitted: AdmittedRequest, decision: Decision, t0: float, source: str = "live") -> AsyncIterator[Output]:
+        """The backend's outputs from the decided pool. If that pool goes down (BackendDown) before any token went
+        out, the request is tried once more on another ready pool (not for a pinned pool), chosen on the same
+        prompt tokens and expected output as the first choice. The first attempt's reservation was settled at 0
+        by `tracked`, so the retry is charged again (without a 429 check: the request was already admitted)."""
+        request, model = admitted.generate, admitted.request.model
+        sent = False
+        try:
+            async with aclosing(self.tracked(self.pools[decision.pool], model, request, t0, admitted, source)) as stream:
+                async for out in stream:
+                    if any(c.num_tokens or c.text for c in out.choices):
+                        sent = True
+                    yield out
+            return
+        except BackendDown as e:
+            if sent or decision.reason == "pinned":
+                raise
+            first_error = e
+        try:
+            again = self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools)
+        except NoPoolAvailable:
+            raise first_error from None
+        if again.pool == decision.pool:
+            raise first_error
+        log.warning("pool %s failed before the first token of %s; retrying on pool %s", decision.pool,
+                    request.request_id, again.pool)
+        metrics.retries.labels(decision.pool, again.pool).inc()
+        if admitted.reserved is not None:
+            await self.limiter.charge(admitted.identity, admitted.reserved)
+        retry = dataclasses.replace(request, request_id=f"{request.request_id}-r")
+        async with aclosing(self.tracked(self.pools[again.pool], model, retry, t0, admitted, source)) as stream:
+            async for out in stream:
+                yield out
+
+    async def tracked(self, pool: PoolState, model: str, request: GenerateRequest, t0: float, admitted: AdmittedRequest,
+                      source: str = "live") -> AsyncIterator[Output]:
+        """The backend's stream with the gateway's bookkeeping: metrics, backlog, estimates, limits."""
+        prompt_tokens = len(request.prompt_token_ids)
+        m = metrics.for_pool(pool.name, model, source)
+        m.in_flight.inc()
+        m.prompt_tokens.inc(prompt_tokens)
+        pool.dispatched(prompt_tokens)
+        live = source == "live"
+        if live:  # batch work yields to live traffic on this pool until it has been quiet a while (services/batch)
+            pool.live_started()
+        first_at = None
+        generated = 0
+        status = "error"
+        try:
+            async with aclosing(pool.backend.generate(request)) as stream:
+                async for out in stream:
+                    n = sum(c.num_tokens for c in out.choices)
+                    if first_at is None and n:
+                        first_at = time.perf_counter()
+                        pool.first_token(prompt_tokens, first_at - t0)
+                        m.ttft.observe(first_at - t0)
+                    if out.queue_seconds is not None:
+                        m.queue.observe(out.queue_seconds)
+                    generated += n
+                    yield out
+            status = "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            # No client waits on a batch request: only the batch runner stops one (preempted, cancelled, expired).
+            status = "client_disconnect" if live else "aborted"
+            raise
+        except BackendDown:
+            # The pool cannot serve (engine dead, server unreachable): route around it now; the health
+            # watcher brings it back once it answers. A failure of one request leaves the pool in routing.
+            self.set_ready(pool, False)
+            raise
+        finally:
+            end = time.perf_counter()
+            if live:
+                pool.live_ended()
+            if first_at is None:
+                pool.first_token(prompt_tokens, 0.0)
+            m.in_flight.dec()
+            m.requests[status].inc()
+            m.generation_tokens.inc(generated)
+            m.e2e.observe(end - t0)
+            per_choice = generated / max(request.sampling.n, 1)
+            if first_at is not None and per_choice > 1:
+                m.tpot.observe((end - first_at) / (per_choice - 1))
+            if status == "ok" and admitted.estimate_output:
+                self.output_estimate.update(per_choice)
+            if admitted.reserved is not None:  # charge what was generated, beyond the reservation too
+                self.settle_later(admitted.identity, admitted.reserved, generated)
+
+    def settle_later(self, identity: str, reserved: int, generated: int) -> None:
+        """Settle an output reservation in a task of its own: it completes even while the request's own task
+        is being cancelled (the client left), and the end of an answer never waits on Redis."""
+        task = asyncio.get_running_loop().create_task(self.limiter.settle(identity, reserved, generated))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+
+async def calling_on_first_token(stream: AsyncIterator[Output], callback: Callable[[], None]) -> AsyncIterator[Output]:
+    """`stream`, calling `callback()` when its first output token arrives."""
+    async with aclosing(stream) as s:
+        waiting = True
+        async for out in s:
+            if waiting and any(c.num_tokens for c in out.choices):
+                waiting = False
+                callback()
+            yield out

@@ -1,0 +1,193 @@
+"""The gateway's request pipeline: admission -> dispatch -> rendering over the pools, for live HTTP requests
+(`handle`) and the Batch API's lines (`run_request`). `Gateway` composes the parts and holds what the routes,
+extensions and the server share: the config, keys, prompter, pools and the CPU pool.
+
+One public model name maps to the pools (routed by prompt/output ratio); each pool's own model name
+bypasses routing. Every response carries `x-swiftkv-route: pool=...; reason=...; ratio=...`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager, nullcontext
+from typing import AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from services.common.errors import APIError, bad_request
+from services.common.keys import KeyStore
+from services.config import PlatformConfig
+from services.serving.backend import Backend, BackendError, BadRequest, Output
+
+from . import metrics
+from .admission import Admission, AdmittedRequest, count_rejection
+from .dispatch import Dispatcher, calling_on_first_token
+from .pool_lifecycle import PoolLifecycle
+from .prompts import Prompter
+from .render import collect, failure, json_bytes, sse_body
+from .routing import Decision, RoutePolicy
+from .schemas import check_tree
+
+
+class Gateway:
+    """The pools (`lifecycle`), `admission`, `dispatch` and rendering, composed; the FastAPI app is a thin shell
+    around it."""
+
+    def __init__(self, cfg: PlatformConfig, backends: dict[str, Backend], prompter: Prompter, keys: KeyStore,
+                 on_ready: Callable[[], None] | None = None, extra_metrics: Callable[[], Awaitable[str]] | None = None):
+        self.cfg = cfg
+        self.keys = keys
+        self.prompter = prompter
+        self.extra_metrics = extra_metrics  # engine metrics living elsewhere (Ray's metrics agent)
+        self.created = int(time.time())
+        # Work that grows with a request's body (templates, tokenization, tools, grammar checks, large answers)
+        # runs here, never on the event loop, where it would stall every stream of the process (the tokenizer
+        # and xgrammar release the GIL). Four threads: a small request finds one free beside a few huge ones;
+        # more work waits its turn (requests are bounded by limits.max_concurrent_requests).
+        self.cpu = ThreadPoolExecutor(max_workers=4, thread_name_prefix="swiftkv-cpu")
+        self.lifecycle = PoolLifecycle(cfg, backends, on_ready)
+        self.pools = self.lifecycle.pools
+        self.admission = Admission(cfg, self.pools, prompter, keys, self.off_loop)
+        self.limiter = self.admission.limiter
+        self.policy = RoutePolicy(cfg.routing)
+        self.dispatch = Dispatcher(self.pools, self.policy, self.limiter, self.admission.output_estimate,
+                                   self.lifecycle.set_ready, self.lifecycle.retry_after)
+
+    async def start(self) -> None:
+        await self.lifecycle.start()
+
+    async def stop(self) -> None:
+        await self.lifecycle.stop()
+
+    @property
+    def started(self) -> bool:
+        return self.lifecycle.started
+
+    async def read_json(self, request: Request) -> object:
+        return await self.admission.read_json(request)
+
+    async def off_loop(self, fn, *args):
+        """`fn(*args)` on the CPU pool: the event loop keeps serving every other request meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, functools.partial(fn, *args))
+
+    async def admit_and_route(self, data: object, kind: str, identity: str, size: int = 0,
+                              charge: bool = True) -> tuple[AdmittedRequest, Decision]:
+        """Everything before the backend is called; raises APIError for any refusal."""
+        admitted = await self.admission.admit(data, kind, identity, size, charge)
+        try:
+            return admitted, self.dispatch.choose(admitted)
+        except APIError:
+            await self.admission.release(admitted)
+            raise
+
+    # ---- live requests ---------------------------------------------------------------------------
+    async def handle(self, request: Request, kind: str) -> Response:
+        t0 = time.perf_counter()
+        try:
+            identity = self.admission.identify(request)
+            data, size = await self.admission.read_body(request)
+            admitted, decision = await self.admit_and_route(data, kind, identity, size)
+        except APIError as e:
+            count_rejection(e, "live")
+            return e.response()
+        req, gen = admitted.request, admitted.generate
+        metrics.route_decisions.labels(decision.pool, decision.reason, "live").inc()
+        metrics.for_pool(decision.pool, req.model).overhead.observe(time.perf_counter() - t0)
+        stream = self.dispatch.stream(admitted, decision, t0)
+        headers = {"x-swiftkv-route": decision.header(), "x-request-id": gen.request_id}
+        if req.stream:
+            # The status line goes out with the first byte: wait for the first output (or the error), so a
+            # request the engine refuses gets its real 4xx/5xx instead of a 200 with an error event.
+            try:
+                first = await first_outputs(request, stream)
+            except ClientGone:
+                return Response(status_code=499)
+            except (BackendError, BadRequest) as e:
+                await stream.aclose()
+                status, body = failure(e, admitted.structured_param)
+                return JSONResponse(body, status_code=status, headers=headers | (self.lifecycle.retry_after if status == 503 else {}))
+            return StreamingResponse(sse_body(stream, first, admitted.render, admitted.prompt_tokens, req.include_usage, req.continuous_usage),
+                                     media_type="text/event-stream", headers=headers)
+        try:
+            status, body = await until_disconnect(request, collect(stream, admitted.render, admitted.prompt_tokens, self.off_loop,
+                                                                   admitted.structured_param))
+        except ClientGone:
+            return Response(status_code=499)
+        content = await self.off_loop(json_bytes, body)  # up to limits.max_unstreamed_tokens of it
+        return Response(content, status_code=status, headers=headers | (self.lifecycle.retry_after if status == 503 else {}),
+                        media_type="application/json")
+
+    # ---- requests without HTTP (the Batch API) ---------------------------------------------------
+    async def run_request(self, data: object, kind: str, identity: str, *, source: str = "batch", priority: int = 0,
+                          slot: Callable[[Decision], AbstractAsyncContextManager[Decision]] | None = None,
+                          first_token: Callable[[], None] | None = None) -> tuple[int, dict]:
+        """Serve one already-parsed, non-streamed request body without HTTP (the Batch API's lines): the same
+        validation, token counting, routing, backends and metrics (labelled `source`) as live traffic, at
+        the engine priority given, charged to the key's per-minute limits (a 429 when over them, which the
+        caller waits out). `slot(decision)` is entered once the route is decided and held while the engine
+        works (the caller's bound on its own requests per pool); it may move the request to another pool: the
+        decision it yields is the one served and counted. `first_token()` is called, in the calling task,
+        when the first output token arrives."""
+        try:
+            check_tree(data)
+            admitted, decision = await self.admit_and_route(data, kind, identity)
+            if admitted.request.stream:
+                raise bad_request("stream is not supported here", param="stream")
+        except APIError as e:
+            count_rejection(e, source)
+            return e.status, e.body()
+        admitted.generate.priority = priority
+        async with slot(decision) if slot is not None else nullcontext(decision) as decision:
+            metrics.route_decisions.labels(decision.pool, decision.reason, source).inc()
+            stream = self.dispatch.stream(admitted, decision, time.perf_counter(), source)
+            if first_token is not None:
+                stream = calling_on_first_token(stream, first_token)
+            return await collect(stream, admitted.render, admitted.prompt_tokens, self.off_loop, admitted.structured_param)
+
+
+class ClientGone(Exception):
+    """The client disconnected while the gateway waited for the engine."""
+
+
+async def first_outputs(request: Request, stream: AsyncIterator[Output]) -> list[Output]:
+    """The stream's outputs up to the first with content (all of them if it ends first); the engine's
+    refusal is raised from here. A client that leaves meanwhile aborts the request (ClientGone)."""
+    outputs: list[Output] = []
+
+    async def pull() -> None:
+        while (out := await anext(stream, None)) is not None:
+            outputs.append(out)
+            if out.choices:
+                return
+
+    await until_disconnect(request, pull())
+    return outputs
+
+
+async def until_disconnect(request: Request, work: Awaitable):
+    """Await `work` while a watcher waits for the client to leave; if it does, `work` is cancelled (which
+    closes the stream and aborts the engine request) and ClientGone is raised."""
+    current = asyncio.current_task()
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        current.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        current.uncancel()
+        raise ClientGone from None
+    finally:
+        watcher.cancel()

@@ -1,0 +1,107 @@
+"""Real vLLM engines on the tiny checkpoints: their settings, the platform every engine test shares (one `swiftkv serve
+--engine inprocess` for the whole run, started by the session fixture `platform` in conftest.py) and vLLM's own
+OpenAI server (the session fixture `vllm_server`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+
+from .processes import Server, swiftkv_serve, vllm_openai_server
+
+MAX_MODEL_LEN = 512
+PUBLIC = "tiny"  # the platform's public model; its pools answer as tiny-prefill and tiny-decode
+KEY = "sk-test-main"
+ENV_ONLY_KEY = "sk-test-env-only"  # only in the SWIFTKV_API_KEYS_FILE file, which the --api-keys-file flag overrides
+# The batch settings of the shared platform: short windows for expiry, small bounds, fast polling.
+BATCH = {"completion_windows": {"24h": 86400, "5s": 5}, "max_in_flight": 4, "lease_seconds": 3, "poll_seconds": 0.2,
+         "max_file_bytes": 8_000_000}
+UPSTREAM = "upstream"  # vLLM's own server's model name
+UPSTREAM_KEY = "sk-upstream"
+
+
+def engine_args(**extra) -> dict:
+    # max_logprobs 5: a top_logprobs the gateway accepts (up to 20) that these engines refuse
+    return {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 << 20,
+            "max_logprobs": 5} | extra
+
+
+def swiftkv_plugin_available() -> bool:
+    return (Path(__file__).parents[2] / "swiftkv_core" / "vllm" / "__init__.py").exists() and os.environ.get("SWIFTKV_TEST_PREFILL") != "base"
+
+
+def platform_config(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> dict:
+    """Two pools with priority scheduling: prefill (the SwiftKV model, one sequence at a time so requests queue and
+    priority decides who runs next; no tool-call parser) and decode (the base model, vLLM's hermes parser)."""
+    prefill = tiny_swiftkv if swiftkv_plugin_available() else tiny_base
+    return {
+        "model": PUBLIC,
+        "data_dir": str(work / "data"),
+        "pools": {
+            "prefill": {"model": str(prefill), "engine_args": engine_args(scheduling_policy="priority", max_num_seqs=1)},
+            "decode": {"model": str(tiny_base), "engine_args": engine_args(scheduling_policy="priority"), "tool_call_parser": "hermes"},
+        },
+        "routing": {"ratio_threshold": 4.0},
+        "limits": {"max_body_bytes": 200_000},
+        # a health check slower than a request: requests meet a dead engine before the watcher takes its pool out
+        "health": {"period_seconds": 3.0, "shutdown_grace_seconds": 30.0},
+        "batch": BATCH,
+    }
+
+
+def start_platform(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> Server:
+    """The shared platform at the default log level, ready (every pool), its console up to then in `console_at_ready`."""
+    (work / "keys").write_text(f"{KEY}\n")
+    (work / "env-keys").write_text(f"{ENV_ONLY_KEY}\n")
+    server = swiftkv_serve(work, platform_config(tiny_base, tiny_swiftkv, work), "--engine", "inprocess",
+                           "--api-keys-file", str(work / "keys"),
+                           env={"SWIFTKV_API_KEYS_FILE": str(work / "env-keys"),  # loses to --api-keys-file
+                                "VLLM_CPU_OMP_THREADS_BIND": "",  # an operator's binding would win over cpu_cores auto
+                                "SWIFTKV_LOG_LEVEL": "", "SWIFTKV_LOG_FORMAT": "", "SWIFTKV_LOG_FILE": ""})
+    server.start().wait(lambda: every_pool_ready(server.base) and "SwiftKV is serving" in server.log_path.read_text())
+    server.console_at_ready = server.log_path.read_text().splitlines()
+    server.killed_engines = 0  # engine cores a test killed with SIGKILL
+    return server
+
+
+def every_pool_ready(base: str) -> bool:
+    """/ready is 200 once some pool serves; a test that needs every pool (or a restarted one back) reads its body."""
+    r = httpx.get(f"{base}/ready", timeout=5)
+    return r.status_code == 200 and all(r.json()["pools"].values())
+
+
+def start_vllm_server(tiny_base: Path, work: Path) -> Server:
+    """vLLM's OpenAI server on the base checkpoint with the platform's decode engine arguments (sampling matches it
+    token for token), its hermes tool parser and priority scheduling; plus a key, one logprob at most and three tokens
+    per streamed chunk, which the remote backend's tests read."""
+    a = engine_args()
+    return vllm_openai_server(work, tiny_base, "--served-model-name", UPSTREAM, "--api-key", UPSTREAM_KEY,
+                              "--max-model-len", a["max_model_len"], "--enforce-eager", "--dtype", a["dtype"],
+                              "--kv-cache-memory-bytes", a["kv_cache_memory_bytes"], "--max-logprobs", "1", "--stream-interval", "3",
+                              "--scheduling-policy", "priority", "--enable-auto-tool-choice", "--tool-call-parser", "hermes").start().wait()
+
+
+# ---- vLLM's offline LLM, for the tests of the SwiftKV model inside an engine -----------------------------------
+# 3 MiB of float32 KV: a block of one layer is 32 tokens * 2 (K, V) * 2 heads * 32 dims * 4 bytes = 16 KiB,
+# so the base model (8 caches) gets 24 blocks (768 tokens) and 2-way AcrossKV (4 + 2 caches) exactly 32.
+BLOCK = 32
+KV_BYTES = 3 << 20
+LLM_ARGS = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, block_size=BLOCK, max_model_len=512,
+                max_num_batched_tokens=64, enable_prefix_caching=True, disable_log_stats=False, seed=0)
+NEW_TOKENS = 24
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * seed + n)
+    return torch.randint(3, 500, (n,), generator=g).tolist()
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int = NEW_TOKENS, logprobs: int | None = 2):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

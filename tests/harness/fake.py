@@ -1,0 +1,76 @@
+"""The one engine stand-in: a real `Backend` (services/serving/backend.py) the gateway drives exactly as it drives
+vLLM, Ray Serve or a remote server, configured per test: how many tokens it answers and how fast, an error to
+raise, a gate that holds the requests it picks until opened, and engines that are up or down."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable, Iterable
+
+from services.serving.backend import BackendDown, ChoiceDelta, GenerateRequest, Output, TokenLogprob
+
+
+class FakeBackend:
+    """Answers each request with `tokens` tokens (None: the request's max_tokens, as with ignore_eos) of `text` per
+    choice (logprobs when asked), `chunk` tokens per output, one output every `delay` s; or with what `script(request)`
+    returns. `error`, when set, is raised instead of answering. `gate` (an asyncio.Event), when given, holds the requests
+    that `hold(request)` picks (default: all) before their first token until it is set; a request cancelled before its
+    last output counts as aborted. `up` False: start, health and recover say the engines are down. It keeps every
+    request it was sent (`requests`) and counts `waiting` (at the gate), `served` (past the gate) and `aborted`."""
+
+    def __init__(self, name: str = "decode", tokens: int | None = 1, delay: float = 0.0, text: str = "x", *, chunk: int = 1,
+                 gate: asyncio.Event | None = None, hold: Callable[[GenerateRequest], bool] | None = None,
+                 script: Callable[[GenerateRequest], Iterable[Output]] | None = None, up: bool = True):
+        self.name, self.tokens, self.delay, self.text, self.chunk = name, tokens, delay, text, chunk
+        self.gate, self.hold, self.script, self.up = gate, hold or (lambda request: True), script, up
+        self.error: Exception | None = None
+        self.requests: list[GenerateRequest] = []
+        self.waiting = self.served = self.aborted = 0
+
+    async def start(self) -> None:
+        if not self.up:
+            raise BackendDown(f"pool {self.name}: engines restarting")
+
+    async def health(self) -> bool:
+        return self.up
+
+    async def recover(self) -> None:
+        if not self.up:
+            raise BackendDown(f"pool {self.name}: engines restarting")
+
+    async def stop(self) -> None:
+        pass
+
+    def outputs(self, request: GenerateRequest) -> Iterable[Output]:
+        if self.script is not None:
+            return self.script(request)
+        k, tokens = request.sampling.logprobs, self.tokens or request.sampling.max_tokens
+        top = [(self.text, -0.5), ("y", -1.5)] + [(f"t{j}", -1.5 - j) for j in range(1, (k or 0) - 1)]
+        logprobs = None if k is None else [TokenLogprob(self.text, -0.5, top[:k])]
+        sizes = [min(self.chunk, tokens - i) for i in range(0, tokens, self.chunk)]
+        return (Output([ChoiceDelta(c, self.text * size, size, "length" if i == len(sizes) - 1 else None, logprobs and logprobs * size)
+                        for c in range(request.sampling.n)]) for i, size in enumerate(sizes))
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
+        self.requests.append(request)
+        if self.error is not None:
+            raise self.error
+        finished = False
+        try:
+            if self.gate is not None and self.hold(request):
+                self.waiting += 1
+                try:
+                    await self.gate.wait()
+                finally:
+                    self.waiting -= 1
+            self.served += 1
+            outputs = list(self.outputs(request))
+            for i, out in enumerate(outputs):
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                finished = i == len(outputs) - 1
+                yield out
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                self.aborted += 1
+            raise

