@@ -90,6 +90,7 @@ def test_distillation_layout_needs_a_later_layer():
     assert err.value.field == "key_value_group_size"
 
 
+@pytest.mark.slow
 def test_engine_config_refusals_are_the_one_swiftkv_config_error(tiny_swiftkv):
     """vLLM's engine-config hook raises the class every caller catches: one `except SwiftKVConfigError` covers a bad
     checkpoint layout and a setting the engine refuses for SwiftKV models."""

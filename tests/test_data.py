@@ -81,6 +81,7 @@ def test_passages_split_and_heldout_are_deterministic():
 
 
 @pytest.mark.skipif(not (D.PYTHON_DOC_DIR.is_dir() and D.LINUX_DOC_DIR.is_dir()), reason="Debian doc packages not installed")
+@pytest.mark.slow
 def test_prepare_corpus_keeps_heldout_files_out_of_training(tmp_path):
     manifest = D.prepare_corpus(tmp_path, train_chars_per_source=30_000, heldout_chars_per_source=5_000, cache_dir=tmp_path / "src",
                                 manpages=12)

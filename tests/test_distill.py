@@ -67,6 +67,7 @@ def test_kl_is_zero_when_student_equals_teacher(tiny_base, train_text):
     assert kl_loss(s, t, every, 2.0).item() > 1e-3
 
 
+@pytest.mark.slow
 def test_a_few_steps_reduce_the_kl(tiny_base, train_text, tmp_path):
     from transformers import AutoTokenizer
 
@@ -96,6 +97,7 @@ def test_a_few_steps_reduce_the_kl(tiny_base, train_text, tmp_path):
     assert (out / "trained" / "swiftkv-trained.safetensors").exists() and (out / "tokenizer.json").exists()
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_run(tiny_base, train_text, tmp_path):
     straight = distill(_cfg(tiny_base, tmp_path / "a", train_text))
     # "Kill" a run after its step-3 checkpoint by running only 3 steps of a 6-step schedule, then resume.
@@ -135,6 +137,7 @@ def test_sigterm_saves_the_step_it_ends_and_the_run_resumes_from_it(tiny_base, t
     assert steps == list(range(1, stopped.value.step + 3))
 
 
+@pytest.mark.slow
 def test_a_run_from_before_the_lora_settings_resumes_and_other_settings_are_refused(tiny_base, train_text, tmp_path):
     distill(_cfg(tiny_base, tmp_path / "run", train_text, stop_at=3))
     run_file = tmp_path / "run" / "run.json"
@@ -236,6 +239,7 @@ def test_finalize_writes_the_checkpoint_of_a_stopped_run(tiny_base, train_text, 
     assert load_model(str(out)).config.num_key_value_layers == 4
 
 
+@pytest.mark.slow
 def test_stop_at_ends_early_on_the_same_schedule(tiny_base, train_text, tmp_path):
     full = distill(_cfg(tiny_base, tmp_path / "full", train_text))
     early = distill(_cfg(tiny_base, tmp_path / "early", train_text, stop_at=3))
@@ -262,6 +266,7 @@ def test_head_kl_matches_full_logits_in_value_and_gradient():
 
 
 @pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.slow
 def test_a_cached_step_gives_the_uncached_loss_and_gradients(tiny_base, train_text, tmp_path, group):
     from transformers import AutoTokenizer
 

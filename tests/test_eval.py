@@ -55,6 +55,7 @@ def test_eval_errors(tiny_base, tiny_swiftkv, eval_text, tmp_path):
         evaluate(tiny_base, tiny_swiftkv, tmp_path / "missing.txt")
 
 
+@pytest.mark.slow
 def test_eval_cli_json(tiny_base, tiny_swiftkv, eval_text, tmp_path):
     from services.cli import app
 
