@@ -16,7 +16,13 @@ def bench_platform_command(
     rate: Annotated[list[float], typer.Option("--rate", help="Offered load, requests/s (Poisson); repeat for a sweep")] = [0.5],  # noqa: B006
     count: Annotated[int, typer.Option(help="Requests per rate, at most")] = 100,
     duration: Annotated[float, typer.Option(help="Arrivals per rate stop after this many seconds")] = 180.0,
-    configs: Annotated[str, typer.Option(help="Comma-separated: routed, base, swiftkv")] = "routed,base,swiftkv",
+    configs: Annotated[str, typer.Option(help="Comma-separated: routed, base, swiftkv, routed-spec, base-spec (-spec: "
+                                         "the same with speculative decoding on every pool)")] = "routed,base,swiftkv",
+    spec_method: Annotated[str, typer.Option(help="The -spec configurations' speculative decoding: ngram (prompt lookup) or "
+                                             "suffix (Arctic Inference)")] = "ngram",
+    spec_tokens: Annotated[int, typer.Option(help="-spec: tokens proposed per step at most (num_speculative_tokens)")] = 4,
+    spec_lookup_min: Annotated[int, typer.Option(help="-spec, ngram: shortest n-gram looked up in the prompt")] = 2,
+    spec_lookup_max: Annotated[int, typer.Option(help="-spec, ngram: longest n-gram looked up in the prompt")] = 4,
     base_model: Annotated[Path, typer.Option(help="Base model folder")] = Path("models/smollm2-135m-instruct"),
     swiftkv_model: Annotated[Path, typer.Option(help="SwiftKV model folder")] = Path("models/smollm2-135m-instruct-swiftkv"),
     text: Annotated[Path, typer.Option(help="Text the prompts are cut from (`swiftkv data prepare` output)")] = Path("data/mix/heldout.jsonl"),
@@ -38,12 +44,14 @@ def bench_platform_command(
     json: AsJson = False,
 ) -> None:
     """The whole platform under real-text traffic: routed (SwiftKV + base pools), base (2 base replicas) and
-    swiftkv (2 SwiftKV replicas), each started through `swiftkv serve`, one after the other on these cores;
-    or, with --target, a server that is already running."""
+    swiftkv (2 SwiftKV replicas), and routed-spec / base-spec (routed / base with speculative decoding on every
+    pool), each started through `swiftkv serve`, one after the other on these cores; or, with --target, a server
+    that is already running."""
     import json as jsonlib
     import os
     import sys
 
+    from . import speculation
     from .platform_bench import PlatformBenchConfig, PlatformBenchError, plot, run
 
     cfg = PlatformBenchConfig(base_model=str(base_model), swiftkv_model=str(swiftkv_model), text=str(text), workload=workload,
@@ -51,7 +59,9 @@ def bench_platform_command(
                               configs=[c.strip() for c in configs.split(",") if c.strip()], dtype=dtype, quiet_load=quiet_load,
                               ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo,
                               reference_rate=reference_rate, progress=progress, target=target, target_model=target_model,
-                              tokenizer=None if tokenizer is None else str(tokenizer), api_key=api_key)
+                              tokenizer=None if tokenizer is None else str(tokenizer), api_key=api_key,
+                              spec_method=spec_method, spec_tokens=spec_tokens, spec_lookup_min=spec_lookup_min,
+                              spec_lookup_max=spec_lookup_max)
     if max_model_len is not None:
         cfg.max_model_len = max_model_len
     if kv_cache_mib is not None:
@@ -71,10 +81,11 @@ def bench_platform_command(
     if json:
         return print_json(report)
     rows = [[name, str(c["reference_rate"]), f"{c['ttft_p50_s']}", f"{c['ttft_p99_s']}", f"{c['tpot_p50_s']}",
-             f"{c['throughput_tok_s']}", f"{c['goodput_rps']}", str(c["errors"]), " ".join(f"{k}={v}" for k, v in c["pool_share"].items())]
+             f"{c['throughput_tok_s']}", f"{c['goodput_rps']}", str(c["errors"]), " ".join(f"{k}={v}" for k, v in c["pool_share"].items()),
+             *speculation.cells(c.get("speculation", {}))]
             for name, c in report["configs"].items()]
     print_table(f"{workload}: platform load test", ["config", "rate", "TTFT p50 s", "TTFT p99 s", "TPOT p50 s", "tok/s",
-                                                     "goodput req/s", "errors", "pools"], rows)
+                                                     "goodput req/s", "errors", "pools", "draft acceptance", "mean accepted len"], rows)
 
 
 def register_loadtest_commands(bench_app: typer.Typer) -> None:

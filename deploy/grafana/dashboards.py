@@ -2,11 +2,16 @@
 
 `python deploy/grafana/dashboards.py` writes them into the chart (deploy/helm/swiftkv/files/dashboards/),
 which ships each as a ConfigMap for Grafana's dashboard sidecar; tests/test_deploy.py checks that the
-committed JSON is what this file builds and runs every panel query against a real Prometheus.
+committed JSON is what this file builds and runs the speculative-decoding panels through promtool on known
+counters; tests/test_deploy_live.py runs every other panel query against a real Prometheus scraping a live
+platform (whose pools do not speculate).
 
 Engine panels read vLLM's own metric names. Under Ray Serve the replicas export them through Ray as
 `ray_vllm_*` (':' becomes '_'), so every engine query selects both spellings by `__name__`; only one of
 them exists in a given deployment, so nothing is counted twice.
+
+Engine series carry vLLM's `model_name` label, the pool's served model name (`<public>-<pool>` unless the pool
+sets its own): that is the per-pool key of every engine panel.
 """
 
 from __future__ import annotations
@@ -44,6 +49,20 @@ class Panel:
     unit: str
     targets: list[tuple[str, str]]  # (PromQL, legend)
     description: str = ""
+    needs: str = ""  # what must be on for the panel's series to exist at all ("": any running platform)
+
+
+SPEC = "a pool with speculative decoding (its `speculative:` setting)"
+
+
+def per_pool_rate(name: str, by: str = "model_name") -> str:
+    return f"sum by ({by}) (rate({vllm(name)}[{RATE}]))"
+
+
+# vLLM's conventions (vllm/v1/spec_decode/metrics.py): acceptance rate = accepted / drafted tokens; mean accepted
+# length = 1 + accepted / drafts (the bonus token the target model adds to every draft counts).
+ACCEPTED, DRAFTED, DRAFTS = ("spec_decode_num_accepted_tokens_total", "spec_decode_num_draft_tokens_total",
+                             "spec_decode_num_drafts_total")
 
 
 ROWS: dict[str, list[Panel]] = {
@@ -86,6 +105,21 @@ ROWS: dict[str, list[Panel]] = {
               [(f"sum by (model_name) (rate({vllm('prompt_tokens_total')}[{RATE}]))", "{{model_name}} prompt"),
                (f"sum by (model_name) (rate({vllm('generation_tokens_total')}[{RATE}]))", "{{model_name}} output")]),
     ],
+    "Speculative decoding": [
+        Panel("Draft acceptance rate", "percentunit",
+              [(f"{per_pool_rate(ACCEPTED)} / {per_pool_rate(DRAFTED)}", "{{model_name}}")],
+              "Accepted draft tokens / proposed draft tokens, per pool", SPEC),
+        Panel("Mean accepted length", "short",
+              [(f"1 + {per_pool_rate(ACCEPTED)} / {per_pool_rate(DRAFTS)}", "{{model_name}}")],
+              "Tokens each verification step yields: 1 (the target model's own) + accepted draft tokens per draft", SPEC),
+        Panel("Acceptance by draft position", "percentunit",
+              [(f"{per_pool_rate('spec_decode_num_accepted_tokens_per_pos_total', 'model_name, position')}"
+                f" / on (model_name) group_left {per_pool_rate(DRAFTS)}", "{{model_name}} position {{position}}")],
+              "Share of drafts whose token at this position was accepted (position 0: the first draft token)", SPEC),
+        Panel("Drafted and accepted tokens/s", "short",
+              [(per_pool_rate(DRAFTED), "{{model_name}} drafted"), (per_pool_rate(ACCEPTED), "{{model_name}} accepted")],
+              needs=SPEC),
+    ],
     "Batch API": [
         Panel("Batch requests in flight and allowed", "short",
               [("sum by (pool) (swiftkv_batch_requests_in_flight)", "{{pool}} in flight"),
@@ -118,7 +152,7 @@ def build() -> dict:
         dashboard.Dashboard("SwiftKV serving")
         .uid("swiftkv-serving")
         .tags(["swiftkv", "vllm"])
-        .description("Gateway latency and routing per pool, engine (vLLM) queues and KV cache, Batch API, training jobs")
+        .description("Gateway latency and routing per pool, engine (vLLM) queues and KV cache, speculative decoding, Batch API, training jobs")
         .refresh("30s")
         .time("now-1h", "now")
         .with_variable(dashboard.DatasourceVariable("datasource").label("Prometheus").type("prometheus"))
@@ -127,8 +161,9 @@ def build() -> dict:
         board = board.with_row(dashboard.Row(row))
         for p in panels:
             panel = (timeseries.Panel().title(p.title).unit(p.unit).datasource(DATASOURCE).span(12 if len(panels) < 4 else 6).height(8))
-            if p.description:
-                panel = panel.description(p.description)
+            description = p.description + (f"{'. ' if p.description else ''}No data without {p.needs}." if p.needs else "")
+            if description:
+                panel = panel.description(description)
             for i, (expr, legend) in enumerate(p.targets):
                 panel = panel.with_target(prometheus.Dataquery().expr(expr).legend_format(legend).ref_id("ABCDEFGH"[i]).datasource(DATASOURCE))
             board = board.with_panel(panel)
@@ -140,9 +175,11 @@ def dashboards() -> dict[str, dict]:
     return {"swiftkv-serving.json": build()}
 
 
-def queries() -> list[tuple[str, str]]:
-    """(panel title, PromQL) of every panel target, as the dashboards hold them."""
-    return [(p.title, expr) for panels in ROWS.values() for p in panels for expr, _ in p.targets]
+def queries(with_optional: bool = True) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every panel target, as the dashboards hold them; with_optional=False leaves out
+    the panels whose series exist only when a feature is on (`Panel.needs`, e.g. speculative decoding)."""
+    return [(p.title, expr) for panels in ROWS.values() for p in panels if with_optional or not p.needs
+            for expr, _ in p.targets]
 
 
 def main() -> int:

@@ -102,7 +102,7 @@ def build_router(service) -> APIRouter:
             choice(purpose, "purpose", LISTED_PURPOSES)
         order = choice(request.query_params.get("order", "desc"), "order", ("asc", "desc"))
         limit = int_param(request, "limit", 10000, 1, 10000)
-        rows, more = await db(store.list_files, who, purpose, cursor(request), limit, order == "desc")
+        rows, more = await db(store.files.list_page, who, purpose, cursor(request), limit, order == "desc")
         return page([file_object(f) for f in await db(records.with_expiry, rows)], more)
 
     async def own_file(request: Request, file_id: str, param: str | None = None) -> dict:

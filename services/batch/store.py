@@ -38,9 +38,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
-from services.common.database import open_database, select_page
-from services.common.files import FileRows
-from services.common.files import metadata as file_metadata
+from services.common.database import select_page
+from services.common.files import open_store
 
 metadata = MetaData()
 
@@ -89,24 +88,10 @@ class BatchStore:
     """The batches and their results, beside the file rows (`files`, the file-records store) in the same database."""
 
     def __init__(self, url: str):
-        self.engine = open_database(url, file_metadata, metadata)
-        self.files = FileRows(self.engine)
+        self.engine, self.files = open_store(url, metadata)
 
     def close(self) -> None:
         self.engine.dispose()
-
-    # ---- files: the Files routes read and write them through the store that holds them ------------
-    def add_file(self, record: dict) -> None:
-        self.files.add(record)
-
-    def get_file(self, owner: str, file_id: str) -> dict | None:
-        return self.files.get(owner, file_id)
-
-    def list_files(self, owner: str, purpose: str | None, after: str | None, limit: int, descending: bool) -> tuple[list[dict], bool]:
-        return self.files.list_page(owner, purpose, after, limit, descending)
-
-    def delete_file(self, owner: str, file_id: str) -> bool:
-        return self.files.delete(owner, file_id)
 
     def file_in_use(self, file_id: str) -> bool:
         """An input file of a batch that is still running."""

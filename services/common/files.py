@@ -13,9 +13,9 @@ from typing import BinaryIO, Iterable, Protocol
 from sqlalchemy import BigInteger, Column, MetaData, String, Table, case, delete, func, insert, null, or_, select
 from sqlalchemy.engine import Connection, Engine
 
-from .database import select_page
+from .database import open_database, select_page
 
-# The file tables, created by every store that holds file rows (open_database(url, ..., metadata)).
+# The file tables, created by every store that holds file rows (open_store).
 metadata = MetaData()
 
 files = Table(
@@ -159,6 +159,13 @@ class FileRows:
         for record in records:
             conn.execute(files.delete().where(files.c.id == record["id"]))
             conn.execute(insert(files).values(**record))
+
+
+def open_store(url: str, *schemas: MetaData) -> tuple[Engine, FileRows]:
+    """A service store's database on `url`: the file tables and the store's own (`schemas`) created or brought up
+    to date (open_database), and the file rows on it."""
+    engine = open_database(url, metadata, *schemas)
+    return engine, FileRows(engine)
 
 
 class FileHolder(Protocol):

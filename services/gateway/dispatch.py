@@ -1,6 +1,6 @@
 """Dispatch: the pool an admitted request goes to (the route policy), the call to that pool's backend with the
-gateway's bookkeeping (metrics, backlog, output estimate, settling the key's output tokens), and one retry on
-another pool when the chosen one goes down before the first token."""
+gateway's bookkeeping (metrics, backlog, output estimate, settling the key's output tokens, the prefix-cache index of
+cache-aware routing), and one retry on another pool when the chosen one goes down before the first token."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import time
 from contextlib import aclosing
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
 from services.common.errors import APIError
 from services.serving.backend import BackendDown, GenerateRequest, Output
@@ -34,11 +34,21 @@ class Dispatcher:
         self._settling: set[asyncio.Task] = set()
 
     def choose(self, admitted: AdmittedRequest) -> Decision:
-        """The pool for an admitted request, on its prompt tokens and expected output; a 503 when none is ready."""
+        """The pool for an admitted request, on its prompt tokens and expected output (and, with cache-aware routing,
+        what each pool holds of its prompt in its prefix cache); a 503 when none is ready."""
+        blocks = self.policy.blocks(admitted.generate.prompt_token_ids)  # hashed once: the retry and the index reuse them
         try:
-            return self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, admitted.pinned)
+            return self.decide(admitted, blocks, admitted.pinned)
         except NoPoolAvailable as e:
             raise APIError(503, f"{e}; try again shortly", "server_error", code="unavailable", headers=self.retry_after) from None
+
+    def decide(self, admitted: AdmittedRequest, blocks: Sequence[bytes], pinned: str | None = None) -> Decision:
+        if self.policy.index is None:
+            return self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, pinned)
+        for pool in self.pools.values():
+            if not pool.ready:  # down: its engine comes back (if at all) with an empty prefix cache
+                self.policy.index.forget(pool.name)
+        return self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, pinned, blocks)
 
     async def stream(self, admitted: AdmittedRequest, decision: Decision, t0: float, source: str = "live") -> AsyncIterator[Output]:
         """The backend's outputs from the decided pool. If that pool goes down (BackendDown) before any token went
@@ -48,7 +58,8 @@ class Dispatcher:
         request, model = admitted.generate, admitted.request.model
         sent = False
         try:
-            async with aclosing(self.tracked(self.pools[decision.pool], model, request, t0, admitted, source)) as stream:
+            async with aclosing(self.tracked(self.pools[decision.pool], model, request, t0, admitted, source,
+                                             decision.blocks)) as stream:
                 async for out in stream:
                     if any(c.num_tokens or c.text for c in out.choices):
                         sent = True
@@ -59,7 +70,7 @@ class Dispatcher:
                 raise
             first_error = e
         try:
-            again = self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools)
+            again = self.decide(admitted, decision.blocks)
         except NoPoolAvailable:
             raise first_error from None
         if again.pool == decision.pool:
@@ -70,17 +81,19 @@ class Dispatcher:
         if admitted.reserved is not None:
             await self.limiter.charge(admitted.identity, admitted.reserved)
         retry = dataclasses.replace(request, request_id=f"{request.request_id}-r")
-        async with aclosing(self.tracked(self.pools[again.pool], model, retry, t0, admitted, source)) as stream:
+        async with aclosing(self.tracked(self.pools[again.pool], model, retry, t0, admitted, source, again.blocks)) as stream:
             async for out in stream:
                 yield out
 
     async def tracked(self, pool: PoolState, model: str, request: GenerateRequest, t0: float, admitted: AdmittedRequest,
-                      source: str = "live") -> AsyncIterator[Output]:
-        """The backend's stream with the gateway's bookkeeping: metrics, backlog, estimates, limits."""
+                      source: str = "live", blocks: Sequence[bytes] = ()) -> AsyncIterator[Output]:
+        """The backend's stream with the gateway's bookkeeping: metrics, backlog, estimates, limits, and the prompt's
+        blocks (`blocks`, cache-aware routing) entered in the prefix-cache index as the pool's now."""
         prompt_tokens = len(request.prompt_token_ids)
         m = metrics.for_pool(pool.name, model, source)
         m.in_flight.inc()
         m.prompt_tokens.inc(prompt_tokens)
+        self.note_prefix(pool, prompt_tokens, blocks)
         pool.dispatched(prompt_tokens)
         live = source == "live"
         if live:  # batch work yields to live traffic on this pool until it has been quiet a while (services/batch)
@@ -109,6 +122,8 @@ class Dispatcher:
             # The pool cannot serve (engine dead, server unreachable): route around it now; the health
             # watcher brings it back once it answers. A failure of one request leaves the pool in routing.
             self.set_ready(pool, False)
+            if self.policy.index is not None:
+                self.policy.index.forget(pool.name)
             raise
         finally:
             end = time.perf_counter()
@@ -127,6 +142,18 @@ class Dispatcher:
                 self.output_estimate.update(per_choice)
             if admitted.reserved is not None:  # charge what was generated, beyond the reservation too
                 self.settle_later(admitted.identity, admitted.reserved, generated)
+
+    def note_prefix(self, pool: PoolState, prompt_tokens: int, blocks: Sequence[bytes]) -> None:
+        """Cache-aware routing: what the pool should find cached of this prompt and the time to first token that
+        predicts (metrics, to check the index against vLLM's own prefix-cache hits and the measured TTFT), then the
+        prompt's blocks as the pool's most recently used: vLLM caches them as it prefills."""
+        index = self.policy.index
+        if index is None:
+            return
+        cached = self.policy.cached_tokens(pool.name, prompt_tokens, blocks)
+        metrics.prefix_cached_tokens.labels(pool.name).inc(cached)
+        metrics.predicted_ttft.labels(pool.name).observe(self.policy.predicted_ttft(pool, prompt_tokens, cached))
+        index.record(pool.name, blocks)
 
     def settle_later(self, identity: str, reserved: int, generated: int) -> None:
         """Settle an output reservation in a task of its own: it completes even while the request's own task

@@ -5,9 +5,17 @@ Prompt-heavy requests (prompt tokens / expected output tokens >= threshold) go t
 chosen pool's backlog (prompt tokens waiting for prefill over its measured prefill rate) predicts a much
 longer wait than the other pool's, and when a pool is down the other one serves (fallback).
 
+With `routing.cache_aware`, the prefix cache counts too: a pool's predicted time to first token is its wait plus
+the prompt tokens it does not hold cached (services.gateway.prefix_index) over its prefill rate, so a conversation's
+next turn stays where its history is cached instead of prefilling it all again on the other pool. Only the cached
+tokens beyond `prefix_min_distinct_tokens` count (a system prompt everyone shares must not pin traffic), and a
+pool much more loaded than the other (`prefix_load_factor`) does not win on its cache.
+
 Reasons (a small fixed set, used as a metric label and in the `x-swiftkv-route` header):
   ratio      the prompt/output ratio chose the pool
   backlog    the ratio's pool was much more loaded; the other pool predicts a lower latency
+  prefix     the other pool holds more of the prompt in its prefix cache and predicts a lower latency
+             (`routing.cache_aware`)
   fallback   the ratio's pool is down
   pinned     the client asked for a pool's own model name
   single     only one pool is configured
@@ -16,15 +24,17 @@ Reasons (a small fixed set, used as a metric label and in the `x-swiftkv-route` 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from services.config import RoutingConfig
 from services.serving.backend import Backend
 
 from . import metrics
+from .prefix_index import PrefixIndex
 
 PREFILL, DECODE = "prefill", "decode"
 # Where a batch line may move without losing quality: the config fixes the pools' roles by name (`prefill`
@@ -101,6 +111,8 @@ class Decision:
     pool: str
     reason: str
     ratio: float
+    # the prompt's prefix-cache block hashes (cache_aware routing), hashed once for the decision, a retry and the index
+    blocks: tuple[bytes, ...] = field(default=(), repr=False, compare=False)
 
     def header(self) -> str:
         return f"pool={self.pool}; reason={self.reason}; ratio={self.ratio:.2f}"
@@ -111,35 +123,65 @@ class NoPoolAvailable(Exception):
 
 
 class RoutePolicy:
-    def __init__(self, cfg: RoutingConfig):
+    def __init__(self, cfg: RoutingConfig, index: PrefixIndex | None = None):
         self.cfg = cfg
+        # what each pool holds in its prefix cache: None unless routing is cache-aware
+        if index is None and cfg.cache_aware:
+            index = PrefixIndex(cfg.prefix_cache_blocks, cfg.prefix_block_size)
+        self.index = index
 
-    def decide(self, prompt_tokens: int, expected_output: int, pools: dict[str, PoolState], pinned: str | None = None) -> Decision:
+    def blocks(self, prompt_token_ids: Sequence[int]) -> tuple[bytes, ...]:
+        """The prompt's block hashes when routing is cache-aware (else none: nothing to hash)."""
+        return () if self.index is None else tuple(self.index.hashes(prompt_token_ids))
+
+    def cached_tokens(self, pool: str, prompt_tokens: int, blocks: Sequence[bytes]) -> int:
+        """Prompt tokens `pool` should find in its prefix cache; never the last one (vLLM computes at least one)."""
+        if self.index is None or not blocks:
+            return 0
+        bs = self.index.block_size
+        return min(self.index.cached_tokens(pool, blocks), (prompt_tokens - 1) // bs * bs)
+
+    def predicted_ttft(self, pool: PoolState, prompt_tokens: int, cached: int = 0) -> float:
+        """The wait in line plus this prompt's own prefill, less what the pool holds cached."""
+        return pool.wait_seconds() + (prompt_tokens - cached) / pool.prefill_rate.value
+
+    def decide(self, prompt_tokens: int, expected_output: int, pools: dict[str, PoolState], pinned: str | None = None,
+               blocks: Sequence[bytes] = ()) -> Decision:
+        """The pool for a request of `prompt_tokens` expecting `expected_output` tokens; `blocks` (cache-aware
+        routing: `blocks(prompt_token_ids)`) lets the pools' prefix caches count."""
         ratio = prompt_tokens / max(expected_output, 1)
+        blocks = tuple(blocks)
         if pinned is not None:
             if not pools[pinned].ready:
                 raise NoPoolAvailable(f"pool {pinned} is not available")
-            return Decision(pinned, "pinned", ratio)
+            return Decision(pinned, "pinned", ratio, blocks)
         if len(pools) == 1:
             (only,) = pools.values()
             if not only.ready:
                 raise NoPoolAvailable(f"pool {only.name} is not available")
-            return Decision(only.name, "single", ratio)
+            return Decision(only.name, "single", ratio, blocks)
         chosen = PREFILL if ratio >= self.cfg.ratio_threshold else DECODE
         other = DECODE if chosen == PREFILL else PREFILL
         if not pools[chosen].ready:
             if not pools[other].ready:
                 raise NoPoolAvailable("no pool is available")
-            return Decision(other, "fallback", ratio)
+            return Decision(other, "fallback", ratio, blocks)
         if pools[other].ready:
             wait, other_wait = pools[chosen].wait_seconds(), pools[other].wait_seconds()
-            if wait >= self.cfg.backlog_min_seconds and wait > self.cfg.backlog_factor * other_wait:
-                # Predicted time to first token: the wait in line plus this prompt's own prefill.
-                mine = wait + prompt_tokens / pools[chosen].prefill_rate.value
-                theirs = other_wait + prompt_tokens / pools[other].prefill_rate.value
-                if theirs < mine:
-                    return Decision(other, "backlog", ratio)
-        return Decision(chosen, "ratio", ratio)
+            # Predicted time to first token: the wait in line plus the prefill of what is not cached there. Cached
+            # tokens up to the distinctive minimum count for nothing: a prefix every request shares would otherwise
+            # pull all traffic to the pool that happens to hold it.
+            floor = self.cfg.prefix_min_distinct_tokens
+            mine_cached = max(0, self.cached_tokens(chosen, prompt_tokens, blocks) - floor)
+            theirs_cached = max(0, self.cached_tokens(other, prompt_tokens, blocks) - floor)
+            mine = self.predicted_ttft(pools[chosen], prompt_tokens, mine_cached)
+            theirs = self.predicted_ttft(pools[other], prompt_tokens, theirs_cached)
+            if theirs_cached > mine_cached and theirs < mine and not (
+                    other_wait >= self.cfg.backlog_min_seconds and other_wait > self.cfg.prefix_load_factor * wait):
+                return Decision(other, "prefix", ratio, blocks)
+            if wait >= self.cfg.backlog_min_seconds and wait > self.cfg.backlog_factor * other_wait and theirs < mine:
+                return Decision(other, "backlog", ratio, blocks)
+        return Decision(chosen, "ratio", ratio, blocks)
 
     def steer_batch(self, decision: Decision, pools: dict[str, PoolState], live_busy: Callable[[str], bool]) -> Decision:
         """A batch line's route, away from live traffic: a line whose pool is live-busy moves to a ready pool
@@ -150,4 +192,4 @@ class RoutePolicy:
             return decision
         if not live_busy(decision.pool) or live_busy(to):
             return decision
-        return Decision(to, "batch_steered", decision.ratio)
+        return dataclasses.replace(decision, pool=to, reason="batch_steered")

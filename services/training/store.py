@@ -8,9 +8,8 @@ import time
 
 from sqlalchemy import JSON, BigInteger, Column, Integer, MetaData, String, Table, Text, func, insert, select, update
 
-from services.common.database import open_database, select_page
-from services.common.files import FileRows
-from services.common.files import metadata as file_metadata
+from services.common.database import select_page
+from services.common.files import open_store
 from services.common.ids import new_id
 
 metadata = MetaData()
@@ -68,8 +67,7 @@ class TrainingStore:
     """The jobs tables, beside the file rows (`files`, the file-records store); every method is short and synchronous."""
 
     def __init__(self, url: str):
-        self.engine = open_database(url, file_metadata, metadata)
-        self.files = FileRows(self.engine)
+        self.engine, self.files = open_store(url, metadata)
 
     def close(self) -> None:
         self.engine.dispose()

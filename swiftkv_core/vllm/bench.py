@@ -11,6 +11,16 @@ the machine and on what else runs on it.
 - ttft_ratio        time to first token of one request at a time (low load), SwiftKV / base
 - kv_capacity_ratio KV-cache tokens the engines report for the same memory budget, SwiftKV / base;
                     the budget is rounded so the exact L / (l + (L - l) / g) is representable
+
+With `--speculative` (e.g. `none,ngram`) a second phase measures speculative decoding without a draft model
+(vLLM's `speculative_config`: ngram prompt lookup, or suffix decoding) on both models: per model, one engine per
+method, measured in alternating rounds like the first phase, at batch 1 and at `--spec-batch`, on two prompt
+kinds (swiftkv_core.bench_prompts): `quote`, a document and a question whose answer quotes it (much to copy), and
+`chat`, an open question (little to copy). Each row: decode TPOT (per request, first to last output token, from
+vLLM's request stats), output tokens/s, and what the proposer drafted and the model accepted (vLLM's
+`vllm:spec_decode_*` counters of that engine): acceptance rate and mean accepted length (1 + accepted / drafts,
+vLLM's convention). A combination the engine refuses (a SwiftKV model speculating on a GPU) is a row with the
+refusal, not the end of the run.
 """
 
 from __future__ import annotations
@@ -44,10 +54,167 @@ class EngineBenchConfig:
     enforce_eager: bool = True
     seed: int = 0
     engine_args: dict = field(default_factory=dict)
+    # speculative decoding phase: methods measured (none = without), their settings, the larger batch
+    speculative: list[str] = field(default_factory=list)
+    spec_tokens: int = 4
+    spec_lookup_min: int = 2
+    spec_lookup_max: int = 4
+    spec_batch: int = 8
+    text: str | None = None  # quote documents cut from this text (load_records) instead of generated catalogues
+    speculation_only: bool = False  # skip the prefill / combined / TTFT phase
 
 
 class BenchError(RuntimeError):
     pass
+
+
+# --------------------------------------------------------------------------------------------------
+# Speculative decoding: options, vLLM's counters, rows
+
+SPEC_METHODS = ("none", "ngram", "suffix")
+# vLLM's counters (vllm/v1/spec_decode/metrics.py), as `llm.get_metrics()` names them
+SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+
+
+def parse_speculative(values: list[str]) -> list[str]:
+    """`--speculative` values, each one method or a comma-separated list -> the methods in order, once each."""
+    methods: list[str] = []
+    for value in values:
+        for method in (m.strip().lower() for m in value.split(",")):
+            if not method:
+                continue
+            if method not in SPEC_METHODS:
+                raise BenchError(f"--speculative: unknown method {method!r}; choose from {', '.join(SPEC_METHODS)}")
+            if method not in methods:
+                methods.append(method)
+    if values and not methods:
+        raise BenchError(f"--speculative: no method given; choose from {', '.join(SPEC_METHODS)}")
+    return methods
+
+
+def speculative_config(method: str, tokens: int, lookup_min: int, lookup_max: int) -> dict | None:
+    """vLLM's `speculative_config` for `method` (None: none): `tokens` proposed per step at most; the prompt-lookup
+    n-gram sizes apply to ngram only (suffix decoding sizes its drafts itself, up to `tokens`)."""
+    if method == "none":
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": tokens, "prompt_lookup_min": lookup_min,
+                "prompt_lookup_max": lookup_max}
+    return {"method": method, "num_speculative_tokens": tokens}
+
+
+def check_speculation(cfg: EngineBenchConfig) -> None:
+    """Refuse speculation settings no engine could start with, before any engine starts."""
+    import importlib.util
+
+    if not cfg.speculative:
+        if cfg.speculation_only:
+            raise BenchError("--speculation-only measures the --speculative methods: name them, e.g. --speculative none,ngram")
+        return
+    bad = [m for m in cfg.speculative if m not in SPEC_METHODS]
+    if bad:
+        raise BenchError(f"--speculative: unknown method {bad[0]!r}; choose from {', '.join(SPEC_METHODS)}")
+    if cfg.spec_tokens < 1:
+        raise BenchError(f"--spec-tokens must be at least 1, got {cfg.spec_tokens}")
+    if cfg.spec_batch < 1:
+        raise BenchError(f"--spec-batch must be at least 1, got {cfg.spec_batch}")
+    if cfg.rounds < 1:
+        raise BenchError(f"--rounds must be at least 1, got {cfg.rounds}")
+    if "ngram" in cfg.speculative and not 1 <= cfg.spec_lookup_min <= cfg.spec_lookup_max:
+        raise BenchError(f"--spec-lookup-min ({cfg.spec_lookup_min}) and --spec-lookup-max ({cfg.spec_lookup_max}): "
+                         "need 1 <= min <= max (the n-gram sizes looked up in the prompt)")
+    if "suffix" in cfg.speculative and importlib.util.find_spec("arctic_inference") is None:
+        raise BenchError("--speculative suffix runs Arctic Inference's suffix decoding, and the arctic_inference package "
+                         "is not installed here (`pip install arctic-inference`); or measure ngram")
+    if cfg.text is not None and not Path(cfg.text).exists():
+        raise BenchError(f"--text: {cfg.text} does not exist")
+
+
+def spec_counts(metrics) -> dict[str, int]:
+    """Drafts, draft tokens and accepted tokens from vLLM's metrics (the Counter objects `llm.get_metrics()`
+    returns, or `_EngineMetrics.snapshot()`), summed over engines; 0 for a counter absent (no speculation)."""
+    counts = dict.fromkeys(SPEC_COUNTERS.values(), 0)
+    for m in metrics:
+        key = SPEC_COUNTERS.get(m.name)
+        if key is not None and hasattr(m, "value"):
+            counts[key] += int(m.value)
+    return counts
+
+
+def acceptance(counts: dict[str, int]) -> dict:
+    """vLLM's figures: acceptance rate = accepted / drafted tokens; mean accepted length = 1 + accepted / drafts
+    (the token the model adds to every verified draft counts). None where nothing was drafted."""
+    drafts, tokens, accepted = counts["drafts"], counts["draft_tokens"], counts["accepted_tokens"]
+    return {"acceptance_rate": round(accepted / tokens, 4) if tokens else None,
+            "mean_accepted_length": round(1 + accepted / drafts, 4) if drafts else None}
+
+
+def spec_row(model: str, method: str, kind: str, batch: int, output_tokens: int, rounds: list[dict]) -> dict:
+    """One row of the speculation phase from its rounds, each {"elapsed_s": the batch's wall time, "tpot_s": each
+    request's decode TPOT, "counts": the engine's counters over the batch (spec_counts after - before)}. Timings:
+    the best round (load only ever adds time); counts: summed over the rounds."""
+    totals = {k: sum(r["counts"][k] for r in rounds) for k in SPEC_COUNTERS.values()}
+    tpots = [statistics.fmean(r["tpot_s"]) for r in rounds if r["tpot_s"]]
+    return {"model": model, "speculative": method, "prompts": kind, "batch": batch, "refused": None,
+            "tpot_s": round(min(tpots), 6) if tpots else None,
+            "output_tokens_per_s": round(batch * output_tokens / min(r["elapsed_s"] for r in rounds), 2),
+            **totals, **acceptance(totals),
+            "raw": {"elapsed_s": [round(r["elapsed_s"], 6) for r in rounds], "tpot_s": [round(t, 6) for t in tpots]}}
+
+
+def refused_row(model: str, method: str, kind: str, batch: int, reason: str) -> dict:
+    return {"model": model, "speculative": method, "prompts": kind, "batch": batch, "refused": reason, "tpot_s": None,
+            "output_tokens_per_s": None, **dict.fromkeys(SPEC_COUNTERS.values(), 0), "acceptance_rate": None,
+            "mean_accepted_length": None, "raw": None}
+
+
+def against_none(rows: list[dict]) -> list[dict]:
+    """Each row with its speed-ups over the row without speculation of the same model, prompts and batch:
+    tpot_speedup = TPOT without / TPOT with, throughput_speedup = output tokens/s with / without (None where either
+    is missing)."""
+    plain = {(r["model"], r["prompts"], r["batch"]): r for r in rows if r["speculative"] == "none" and not r["refused"]}
+    out = []
+    for r in rows:
+        p = plain.get((r["model"], r["prompts"], r["batch"]))
+        ok = p is not None and not r["refused"]
+        out.append({**r, "tpot_speedup": round(p["tpot_s"] / r["tpot_s"], 4) if ok and p["tpot_s"] and r["tpot_s"] else None,
+                    "throughput_speedup": round(r["output_tokens_per_s"] / p["output_tokens_per_s"], 4) if ok else None})
+    return out
+
+
+def decode_tpots(outputs) -> list[float]:
+    """Per request, seconds per output token after the first (vLLM's request stats: engine-core timestamps of its
+    first and last tokens); requests without stats or with one token are left out."""
+    tpots = []
+    for o in outputs:
+        stats, n = getattr(o, "metrics", None), len(o.outputs[0].token_ids)
+        if stats is not None and n > 1 and getattr(stats, "last_token_ts", 0) > getattr(stats, "first_token_ts", 0) > 0:
+            tpots.append((stats.last_token_ts - stats.first_token_ts) / (n - 1))
+    return tpots
+
+
+class _EngineMetrics:
+    """One engine's `vllm:` collectors. vLLM registers them in the global registry and removes any earlier engine's
+    when the next starts in the same process (so `llm.get_metrics()` reads the newest engine's only): taken from the
+    global registry right after the engine starts, they stay this engine's."""
+
+    def __init__(self) -> None:
+        from prometheus_client import REGISTRY, CollectorRegistry
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        for collector in list(REGISTRY._collector_to_names):
+            if getattr(collector, "_name", "").startswith("vllm:"):
+                REGISTRY.unregister(collector)
+                self.registry.register(collector)
+
+    def snapshot(self) -> list:
+        """Its counters as `llm.get_metrics()` gives them (vLLM's reader Counter: name without `_total`)."""
+        from vllm.v1.metrics.reader import Counter
+
+        return [Counter(name=family.name, labels=s.labels, value=int(s.value))
+                for family in self.registry.collect() if family.type == "counter"
+                for s in family.samples if s.name == family.name + "_total"]
 
 
 def _kv_layout(path: str) -> tuple[int, int, int]:
@@ -97,12 +264,24 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
 
 
 class _Engine:
-    def __init__(self, name: str, path: str, cfg: EngineBenchConfig, kv_bytes: int):
+    def __init__(self, name: str, path: str, cfg: EngineBenchConfig, kv_bytes: int, speculative: dict | None = None,
+                 stats: bool = False, gpu_share: float | None = None):
+        """`stats`: keep vLLM's metrics and request stats (speculation counters, token timestamps); `gpu_share`: on
+        a GPU, the fraction of its memory this engine may count on at start, where several engines share it."""
         from vllm import LLM
 
         from ..interrupts import shield_children
 
         self.name, self.path = name, path
+        extra = dict(cfg.engine_args)
+        if speculative is not None:
+            extra["speculative_config"] = speculative
+        if stats:
+            extra["disable_log_stats"] = False
+        if gpu_share is not None:
+            # vLLM refuses to start where less than gpu_memory_utilization of the GPU is free, which the engines
+            # started before this one hold; the KV cache is sized by kv_cache_memory_bytes either way
+            extra.setdefault("gpu_memory_utilization", gpu_share)
         start = time.perf_counter()
         with shield_children():  # a Ctrl-C stops the benchmark, which then stops its engines
             self.llm = LLM(
@@ -116,14 +295,16 @@ class _Engine:
                 enable_prefix_caching=False,  # every prompt must really be prefilled
                 enforce_eager=cfg.enforce_eager,
                 seed=cfg.seed,
-                **cfg.engine_args,
+                **extra,
             )
+        self.metrics = _EngineMetrics() if stats else None
         self.startup_s = time.perf_counter() - start
         cache = self.llm.llm_engine.vllm_config.cache_config
         self.kv_tokens = cache.num_gpu_blocks * cache.block_size
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
 
-    def run(self, prompts: list[dict], max_tokens: int) -> float:
+    def generate(self, prompts: list[dict], max_tokens: int) -> tuple[float, list]:
+        """(wall seconds, vLLM's RequestOutputs) of one batch, every request generating exactly `max_tokens`."""
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -132,17 +313,26 @@ class _Engine:
         elapsed = time.perf_counter() - start
         if any(len(o.outputs[0].token_ids) != max_tokens for o in outputs):
             raise BenchError(f"{self.name}: an engine returned fewer than {max_tokens} tokens")
-        return elapsed
+        return elapsed, outputs
+
+    def run(self, prompts: list[dict], max_tokens: int) -> float:
+        return self.generate(prompts, max_tokens)[0]
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
 
 
+def _gpu_share(on_cpu: bool, engines: int) -> float | None:
+    return None if on_cpu else round(0.9 / engines, 3)
+
+
 def run_engine_bench(cfg: EngineBenchConfig, log=print) -> dict:
     from ..hardware import UnsupportedSetting, engine_args_for_machine, vllm_on_cpu
 
+    check_speculation(cfg)
+    on_cpu = vllm_on_cpu()
     try:
-        machine_args = engine_args_for_machine({"dtype": cfg.dtype, "kv_cache_dtype": cfg.kv_cache_dtype}, vllm_on_cpu(), "bench")
+        machine_args = engine_args_for_machine({"dtype": cfg.dtype, "kv_cache_dtype": cfg.kv_cache_dtype}, on_cpu, "bench")
     except UnsupportedSetting as e:
         raise BenchError(str(e)) from None
     cfg = replace(cfg, dtype=machine_args["dtype"])
@@ -154,12 +344,34 @@ def run_engine_bench(cfg: EngineBenchConfig, log=print) -> dict:
     machine = _machine()
     log(f"machine: {machine['cpu_model']} [{' '.join(machine['cpu_flags'])}], {machine['cpus']} CPUs, "
         f"load {machine['load_average_1m']:.2f}; dtype {cfg.dtype}")
+    engine = {
+        "dtype": cfg.dtype,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
+        "kv_cache_memory_bytes": kv_bytes,
+        "block_size": cfg.block_size,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "enforce_eager": cfg.enforce_eager,
+        "layers": L_base,
+        "kv_caches": {"base": caches_base, "swiftkv": caches_swift},
+    }
+    report: dict = {}
+    if not cfg.speculation_only:
+        report |= _side_by_side(cfg, kv_bytes, on_cpu, log) | {"expected_kv_capacity_ratio": caches_base / caches_swift}
+    report["engine"] = engine
+    if cfg.speculative:
+        report["speculation"] = _speculation(cfg, kv_bytes, on_cpu, log)
+    report["config"] = {k: v for k, v in asdict(cfg).items() if k in ("model", "baseline")}
+    report["machine"] = {**machine, "load_average_1m_end": os.getloadavg()[0]}
+    return report
 
+
+def _side_by_side(cfg: EngineBenchConfig, kv_bytes: int, on_cpu: bool, log) -> dict:
+    """The prefill, combined and TTFT figures of both engines, measured in alternating rounds."""
     engines: list[_Engine] = []
     try:
         for name, path in (("base", cfg.baseline), ("swiftkv", cfg.model)):
             log(f"starting {name} engine: {path}")
-            engines.append(_Engine(name, path, cfg, kv_bytes))
+            engines.append(_Engine(name, path, cfg, kv_bytes, gpu_share=_gpu_share(on_cpu, 2)))
         base, swift = engines
         P, O = cfg.prompt_tokens, cfg.output_tokens
         for engine in engines:  # warm-up: first-call allocations, thread pools
@@ -200,7 +412,6 @@ def run_engine_bench(cfg: EngineBenchConfig, log=print) -> dict:
             "combined_speedup": s["combined_tokens_per_s"] / b["combined_tokens_per_s"],
             "ttft_ratio": s["ttft_s"] / b["ttft_s"],
             "kv_capacity_ratio": s["kv_cache_tokens"] / b["kv_cache_tokens"],
-            "expected_kv_capacity_ratio": caches_base / caches_swift,
             "base": b,
             "swiftkv": s,
             "workload": {
@@ -211,22 +422,113 @@ def run_engine_bench(cfg: EngineBenchConfig, log=print) -> dict:
                 "ttft_requests_per_round": cfg.ttft_requests,
                 "rounds": cfg.rounds,
             },
-            "engine": {
-                "dtype": cfg.dtype,
-                "kv_cache_dtype": cfg.kv_cache_dtype,
-                "kv_cache_memory_bytes": kv_bytes,
-                "block_size": cfg.block_size,
-                "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                "enforce_eager": cfg.enforce_eager,
-                "layers": L_base,
-                "kv_caches": {"base": caches_base, "swiftkv": caches_swift},
-            },
-            "config": {k: v for k, v in asdict(cfg).items() if k in ("model", "baseline")},
-            "machine": {**machine, "load_average_1m_end": os.getloadavg()[0]},
         }
     finally:
         for engine in engines:
             engine.close()
+
+
+def spec_refusal(model: str, method: str, on_cpu: bool) -> str | None:
+    """Why the engine would refuse `model` ("base" or "swiftkv") speculating with `method`: the SwiftKV engine's own
+    rule (swiftkv_core.vllm.speculation), checked before starting an engine only to be refused."""
+    from .speculation import speculation_refusal
+
+    if model != "swiftkv" or method == "none":
+        return None
+    return speculation_refusal(on_cpu, method)
+
+
+def _speculation(cfg: EngineBenchConfig, kv_bytes: int, on_cpu: bool, log) -> dict:
+    """The speculation phase: per model, an engine per method, alternating rounds over every prompt kind and batch."""
+    from transformers import AutoTokenizer
+
+    from ..bench_prompts import KINDS, prompts, renderer
+
+    P, O = cfg.prompt_tokens, cfg.output_tokens
+    batches = sorted({1, cfg.spec_batch})
+    render = renderer(AutoTokenizer.from_pretrained(cfg.baseline))  # a SwiftKV model keeps its base's tokenizer
+    # different prompts in every round (suffix decoding remembers earlier answers), the same for every engine
+    try:
+        work = {(r, kind, b): [{"prompt_token_ids": ids} for ids in prompts(kind, b, P, render, seed=cfg.seed * 10_000 + r * 100 + b,
+                                                                           text=cfg.text)]
+                for r in range(cfg.rounds) for kind in KINDS for b in batches}
+    except (ValueError, OSError) as e:
+        raise BenchError(f"speculation prompts: {e}") from None
+    warmup = [{"prompt_token_ids": ids} for ids in prompts("chat", 1, P, render, seed=-1)]
+    prompt_lengths = {kind: statistics.fmean(len(p["prompt_token_ids"]) for (_, k, _), ps in work.items() if k == kind for p in ps)
+                      for kind in KINDS}
+    rows: list[dict] = []
+    for model, path in (("base", cfg.baseline), ("swiftkv", cfg.model)):
+        engines: dict[str, _Engine] = {}
+        refused = {m: spec_refusal(model, m, on_cpu) for m in cfg.speculative}
+        runnable = [m for m in cfg.speculative if refused[m] is None]
+        for method in cfg.speculative:
+            if refused[method] is not None:
+                log(f"{model} with {method}: refused, reported as such: {refused[method]}")
+        try:
+            for method in runnable:
+                spec = speculative_config(method, cfg.spec_tokens, cfg.spec_lookup_min, cfg.spec_lookup_max)
+                log(f"starting {model} engine ({method}): {path}")
+                engines[method] = _Engine(f"{model}/{method}", path, cfg, kv_bytes, speculative=spec, stats=True,
+                                          gpu_share=_gpu_share(on_cpu, len(runnable)))
+            for engine in engines.values():  # warm-up, on a prompt no round uses
+                engine.generate(warmup, 2)
+            measured: dict[tuple, list[dict]] = {}
+            for r in range(cfg.rounds):
+                order = list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]
+                for method, engine in order:
+                    for kind in KINDS:
+                        for b in batches:
+                            before = spec_counts(engine.metrics.snapshot())
+                            elapsed, outputs = engine.generate(work[(r, kind, b)], O)
+                            after = spec_counts(engine.metrics.snapshot())
+                            measured.setdefault((method, kind, b), []).append(
+                                {"elapsed_s": elapsed, "tpot_s": decode_tpots(outputs),
+                                 "counts": {k: after[k] - before[k] for k in after}})
+                    log(f"round {r + 1}/{cfg.rounds} {model} {method}: "
+                        + ", ".join(f"{kind} x{b} {measured[(method, kind, b)][-1]['elapsed_s']:.2f}s" for kind in KINDS for b in batches))
+        finally:
+            for engine in engines.values():
+                engine.close()
+        for method in cfg.speculative:
+            for kind in KINDS:
+                for b in batches:
+                    if refused[method] is not None:
+                        rows.append(refused_row(model, method, kind, b, refused[method]))
+                    else:
+                        rows.append(spec_row(model, method, kind, b, O, measured[(method, kind, b)]))
+    return {
+        "methods": cfg.speculative,
+        "settings": {m: speculative_config(m, cfg.spec_tokens, cfg.spec_lookup_min, cfg.spec_lookup_max) for m in cfg.speculative},
+        "batches": batches,
+        "prompts": {kind: {"mean_prompt_tokens": round(prompt_lengths[kind], 1), "output_tokens": O} for kind in KINDS},
+        "text": cfg.text,
+        "rounds": cfg.rounds,
+        "rows": against_none(rows),
+    }
+
+
+def speculation_table(spec: dict) -> list[str]:
+    """The speculation rows as text lines for the terminal."""
+    head = f"{'model':8s} {'spec':7s} {'prompts':7s} {'batch':>5s} {'TPOT ms':>9s} {'out tok/s':>10s} {'accept':>7s} " \
+           f"{'mean acc len':>12s} {'TPOT x':>7s} {'tok/s x':>8s}"
+    lines = [head]
+    notes: dict[str, str] = {}
+
+    def num(x, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    for r in spec["rows"]:
+        if r["refused"]:
+            notes.setdefault(f"{r['model']} {r['speculative']}", r["refused"])
+            cells = f"{'refused':>9s} {'-':>10s} {'-':>7s} {'-':>12s} {'-':>7s} {'-':>8s}"
+        else:
+            cells = (f"{num(None if r['tpot_s'] is None else r['tpot_s'] * 1000, '.2f'):>9s} {num(r['output_tokens_per_s'], '.1f'):>10s} "
+                     f"{num(r['acceptance_rate'], '.2f'):>7s} {num(r['mean_accepted_length'], '.2f'):>12s} "
+                     f"{num(r['tpot_speedup'], '.2f'):>7s} {num(r['throughput_speedup'], '.2f'):>8s}")
+        lines.append(f"{r['model']:8s} {r['speculative']:7s} {r['prompts']:7s} {r['batch']:>5d} {cells}")
+    lines += [f"{who}: refused: {why}" for who, why in notes.items()]
+    return lines
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks measured side by side in one run.")
@@ -247,15 +549,31 @@ def bench_engine_command(
     kv_cache_gib: Annotated[float, typer.Option(help="KV-cache memory budget per engine (GiB)")] = 1.0,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Tokens per engine step")] = 4096,
     compile: Annotated[bool, typer.Option("--compile/--eager", help="torch.compile both engines (slow start-up)")] = False,
+    speculative: Annotated[list[str], typer.Option(
+        "--speculative", help="Also measure speculative decoding with these methods: none, ngram, suffix; repeat it or "
+        "give a list (--speculative none,ngram), none being the rows without speculation")] = [],  # noqa: B006
+    spec_tokens: Annotated[int, typer.Option(help="Speculation: tokens proposed per step at most (num_speculative_tokens)")] = 4,
+    spec_lookup_min: Annotated[int, typer.Option(help="ngram: shortest n-gram looked up in the prompt")] = 2,
+    spec_lookup_max: Annotated[int, typer.Option(help="ngram: longest n-gram looked up in the prompt")] = 4,
+    spec_batch: Annotated[int, typer.Option(help="Speculation: the larger batch measured beside batch 1")] = 8,
+    text: Annotated[Path | None, typer.Option(help="Speculation: cut the quote prompts' documents from this text "
+                                              "(`swiftkv data prepare` output) instead of generated catalogues")] = None,
+    speculation_only: Annotated[bool, typer.Option("--speculation-only", help="Only the --speculative phase")] = False,
     json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
 ) -> None:
-    """Prefill, combined and TTFT speed-ups and KV capacity of a SwiftKV model against its base."""
+    """Prefill, combined and TTFT speed-ups and KV capacity of a SwiftKV model against its base; with --speculative,
+    decode TPOT, output tokens/s and mean accepted length with and without speculative decoding, for both."""
     import json as jsonlib
 
     for path in (model, baseline):
         if not Path(path).is_dir():
             typer.secho(f"error: {path} is not a checkpoint folder", fg=typer.colors.RED, err=True)
             raise typer.Exit(2)
+    try:
+        methods = parse_speculative(speculative)
+    except BenchError as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
     cfg = EngineBenchConfig(
         model=model,
         baseline=baseline,
@@ -270,6 +588,13 @@ def bench_engine_command(
         kv_cache_gib=kv_cache_gib,
         max_num_batched_tokens=max_num_batched_tokens,
         enforce_eager=not compile,
+        speculative=methods,
+        spec_tokens=spec_tokens,
+        spec_lookup_min=spec_lookup_min,
+        spec_lookup_max=spec_lookup_max,
+        spec_batch=spec_batch,
+        text=None if text is None else str(text),
+        speculation_only=speculation_only,
     )
     if json:  # stdout carries only the report; vLLM (and its engine processes) log to stderr
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -282,11 +607,16 @@ def bench_engine_command(
     if json:
         typer.echo(jsonlib.dumps(report, indent=2))
         return
-    for key in ("prefill_speedup", "combined_speedup", "ttft_ratio", "kv_capacity_ratio", "expected_kv_capacity_ratio"):
-        typer.echo(f"{key:28s} {report[key]:.3f}")
-    for name in ("base", "swiftkv"):
-        f = report[name]
-        typer.echo(
-            f"{name:8s} prefill {f['prefill_tokens_per_s']:.0f} tok/s, combined {f['combined_tokens_per_s']:.0f} tok/s, "
-            f"ttft {f['ttft_s']:.3f} s, kv {f['kv_cache_tokens']} tokens"
-        )
+    if not cfg.speculation_only:
+        for key in ("prefill_speedup", "combined_speedup", "ttft_ratio", "kv_capacity_ratio", "expected_kv_capacity_ratio"):
+            typer.echo(f"{key:28s} {report[key]:.3f}")
+        for name in ("base", "swiftkv"):
+            f = report[name]
+            typer.echo(
+                f"{name:8s} prefill {f['prefill_tokens_per_s']:.0f} tok/s, combined {f['combined_tokens_per_s']:.0f} tok/s, "
+                f"ttft {f['ttft_s']:.3f} s, kv {f['kv_cache_tokens']} tokens"
+            )
+    if "speculation" in report:
+        typer.echo("")
+        for line in speculation_table(report["speculation"]):
+            typer.echo(line)

@@ -9,7 +9,8 @@ import time
 
 import httpx
 
-from .fake import FakeBackend
+from services.serving.fake import FakeBackend
+
 from .gateway import InProcessGateway, platform_config
 
 PROMPT_HEAVY = {"model": "m", "prompt": "hello " * 20, "max_tokens": 1}  # the ratio picks the SwiftKV pool ("prefill")

@@ -1,6 +1,7 @@
 """The real gateway app in this process, assembled as `swiftkv serve` assembles it (Gateway, the Batch API as its
 extension, create_app) over FakeBackends: driven through httpx's ASGI transport, or served by uvicorn (with the
-gateway's edge protocol) in a thread on a free port where a real connection or the official `openai` client is needed."""
+gateway's edge protocol) in a thread on a free port where a real connection or the official `openai` client is needed
+(`served_gateway`, what a test module's gateway fixture yields)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import gc
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
 from services.config import PlatformConfig
+from services.serving.fake import FakeBackend
 
-from .fake import FakeBackend
 from .processes import free_port
 
 PUBLIC = "m"
@@ -128,3 +130,15 @@ class ThreadedServer:
         import openai
 
         return openai.OpenAI(base_url=f"{self.base}/v1", api_key=key, max_retries=kw.pop("max_retries", 0), timeout=timeout, **kw)
+
+
+@contextlib.contextmanager
+def served_gateway(tiny_base: Path, data_dir: Path, pools=("prefill", "decode"), max_model_len: int = 512, *, fake: dict | None = None,
+                   keys: tuple[str, ...] = (), batch: bool = True, **fields) -> Iterator[ThreadedServer]:
+    """The app served from a thread (ThreadedServer) over a FakeBackend per pool, each made with the options `fake`;
+    its config from `pools`, `max_model_len` and `fields` (platform_config) with its data in `data_dir`, and `keys`
+    and `batch` as InProcessGateway takes them. Stopped (pools, batch runner and store) when the block ends."""
+    cfg = platform_config(tiny_base, pools, max_model_len, data_dir=str(data_dir), **fields)
+    backends = {name: FakeBackend(name, **(fake or {})) for name in cfg.pools}
+    with ThreadedServer(InProcessGateway(cfg, backends, keys=keys, batch=batch)) as server:
+        yield server

@@ -1,13 +1,14 @@
-"""The one engine stand-in: a real `Backend` (services/serving/backend.py) the gateway drives exactly as it drives
-vLLM, Ray Serve or a remote server, configured per test: how many tokens it answers and how fast, an error to
-raise, a gate that holds the requests it picks until opened, and engines that are up or down."""
+"""The engine stand-in: a real `Backend` (backend.py) the gateway drives exactly as it drives vLLM, Ray Serve or a
+remote server, with no engine behind it. It answers as configured: how many tokens and how fast, an error to raise,
+a gate that holds the requests it picks until opened, engines that are up or down. What the gateway does above the
+engines is tested over it, and the gateway's own cost is measured over it (loadtest/gateway_overhead.py)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import AsyncIterator, Callable, Iterable
 
-from services.serving.backend import BackendDown, ChoiceDelta, GenerateRequest, Output, TokenLogprob
+from .backend import BackendDown, ChoiceDelta, GenerateRequest, Output, TokenLogprob
 
 
 class FakeBackend:
@@ -16,13 +17,15 @@ class FakeBackend:
     returns. `error`, when set, is raised instead of answering. `gate` (an asyncio.Event), when given, holds the requests
     that `hold(request)` picks (default: all) before their first token until it is set; a request cancelled before its
     last output counts as aborted. `up` False: start, health and recover say the engines are down. It keeps every
-    request it was sent (`requests`) and counts `waiting` (at the gate), `served` (past the gate) and `aborted`."""
+    request it was sent (`requests`; none with `record` False, for a load test's millions) and counts `waiting` (at the
+    gate), `served` (past the gate) and `aborted`."""
 
     def __init__(self, name: str = "decode", tokens: int | None = 1, delay: float = 0.0, text: str = "x", *, chunk: int = 1,
                  gate: asyncio.Event | None = None, hold: Callable[[GenerateRequest], bool] | None = None,
-                 script: Callable[[GenerateRequest], Iterable[Output]] | None = None, up: bool = True):
+                 script: Callable[[GenerateRequest], Iterable[Output]] | None = None, up: bool = True, record: bool = True):
         self.name, self.tokens, self.delay, self.text, self.chunk = name, tokens, delay, text, chunk
         self.gate, self.hold, self.script, self.up = gate, hold or (lambda request: True), script, up
+        self.record = record
         self.error: Exception | None = None
         self.requests: list[GenerateRequest] = []
         self.waiting = self.served = self.aborted = 0
@@ -52,7 +55,8 @@ class FakeBackend:
                         for c in range(request.sampling.n)]) for i, size in enumerate(sizes))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
-        self.requests.append(request)
+        if self.record:
+            self.requests.append(request)
         if self.error is not None:
             raise self.error
         finished = False

@@ -1,0 +1,102 @@
+"""What each target (a pool; later a replica) holds in vLLM's prefix cache, as the gateway sees it.
+
+vLLM v1 caches a prompt's KV by blocks of `block_size` tokens, each keyed by a hash chained on its parent's, so one
+hash names the whole prefix that ends with its block. The gateway computes the same hashes from the token ids it
+sends (`block_hashes`, as vllm.v1.core.kv_cache_utils' `hash_block_tokens` with the default `sha256` algorithm: only
+full blocks, the first one chained on NONE_HASH) and keeps, per target, an LRU of the blocks it dispatched there,
+bounded by the target's KV-cache capacity in blocks (vLLM's num_gpu_blocks). `cached_tokens` is then the longest
+prefix of a prompt that target should still hold. It is a prediction: the engine also caches output blocks, running
+requests pin blocks the index counts as evictable, and a restarted engine starts empty (`forget`).
+
+No vLLM import: the gateway image has none. The hashes match the engines' own when both use the same seed
+(PYTHONHASHSEED, else vLLM's fixed seed for sha256), though routing needs them consistent only within the gateway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import threading
+from collections import OrderedDict
+from typing import Sequence
+
+BLOCK_SIZE = 16  # vLLM's CacheConfig.DEFAULT_BLOCK_SIZE (its CPU backend picks 128 for attention models)
+DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for cryptographic hashes when PYTHONHASHSEED is unset
+_PROTOCOL = pickle.HIGHEST_PROTOCOL  # vLLM's `sha256` pickles with it
+
+
+def _sha256(obj: object) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=_PROTOCOL)).digest()
+
+
+def none_hash(seed: str | None = None) -> bytes:
+    """The parent hash of a prompt's first block (vLLM's NONE_HASH for sha256)."""
+    if seed is None:
+        seed = os.getenv("PYTHONHASHSEED", DEFAULT_SEED)
+    return _sha256(seed)
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE, parent: bytes | None = None) -> list[bytes]:
+    """The chained hashes of the full blocks of `token_ids` (a partial last block has none). Token ids must be Python
+    ints, as vLLM's are: the hash is over their pickled tuple."""
+    parent = none_hash() if parent is None else parent
+    out = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        # (parent, block tokens, extra keys): extra keys (LoRA, multimodal, cache salt) are None for a plain prompt
+        parent = _sha256((parent, tuple(token_ids[start:start + block_size]), None))
+        out.append(parent)
+    return out
+
+
+class PrefixIndex:
+    """Per target, an LRU of the block hashes dispatched there, at most `capacity_blocks` of them. Thread-safe: one
+    lock around dictionary updates; hashing happens outside it, once per request, for every target."""
+
+    def __init__(self, capacity_blocks: int, block_size: int = BLOCK_SIZE, seed: str | None = None):
+        if capacity_blocks < 1 or block_size < 1:
+            raise ValueError("capacity_blocks and block_size must be at least 1")
+        self.capacity_blocks = capacity_blocks
+        self.block_size = block_size
+        self._none_hash = none_hash(seed)
+        self._targets: dict[str, OrderedDict[bytes, None]] = {}
+        self._lock = threading.Lock()
+
+    def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        return block_hashes(token_ids, self.block_size, self._none_hash)
+
+    def record(self, target: str, hashes: Sequence[bytes]) -> None:
+        """`target` was sent a prompt with these blocks: they become its most recently used. Inserted last block
+        first, so that at capacity a chain loses its tail before its head (as vLLM frees a request's blocks), which
+        keeps the shorter prefix findable."""
+        if not hashes:
+            return
+        with self._lock:
+            lru = self._targets.setdefault(target, OrderedDict())
+            for h in reversed(hashes):
+                lru[h] = None
+                lru.move_to_end(h)
+            while len(lru) > self.capacity_blocks:
+                lru.popitem(last=False)
+
+    def cached_tokens(self, target: str, hashes: Sequence[bytes]) -> int:
+        """Tokens of the longest prefix of these blocks that `target` holds (a lookup; it refreshes nothing)."""
+        with self._lock:
+            lru = self._targets.get(target)
+            if not lru:
+                return 0
+            n = 0
+            for h in hashes:
+                if h not in lru:
+                    break
+                n += 1
+        return n * self.block_size
+
+    def forget(self, target: str) -> None:
+        """The target's cache is gone (its engine went down or restarted)."""
+        with self._lock:
+            self._targets.pop(target, None)
+
+    def blocks(self, target: str) -> int:
+        with self._lock:
+            return len(self._targets.get(target, ()))

@@ -1,0 +1,266 @@
+"""Cache-aware routing: the gateway's prefix-cache index (block hashes as vLLM computes them, an LRU per pool) and the
+route policy's cost choice over it (routing.cache_aware). In-process: the policy over real PoolStates, and the real
+gateway app over the fake backend."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+from harness import FakeBackend, metric
+from harness.gateway import InProcessGateway, platform_config
+from harness.metrics import parse
+
+from services.config import RoutingConfig
+from services.gateway.prefix_index import PrefixIndex, block_hashes
+from services.gateway.routing import PoolState, RoutePolicy
+from services.serving.backend import BackendDown
+
+BS = 16
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 32_000) for _ in range(n)]
+
+
+# ---- hashes: vLLM's own ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [None, "0", "1234"])
+def test_block_hashes_are_the_ones_vllm_computes(seed, monkeypatch):
+    """With the same seed (PYTHONHASHSEED, else vLLM's fixed one for sha256), the index hashes a prompt as vLLM's
+    engine does: its chained `hash_block_tokens` and a vLLM Request's own block hashes; a partial last block has none."""
+    pytest.importorskip("vllm")
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kv
+    from vllm.v1.request import Request
+
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    saved = {name: getattr(kv, name) for name in ("NONE_HASH", "_NONE_HASH_SEED") if hasattr(kv, name)}
+    sha256 = get_hash_fn_by_name("sha256")  # vLLM's default prefix_caching_hash_algo
+    try:
+        kv.init_none_hash(sha256)  # as the engine core does at start
+        for block_size in (BS, 128):
+            index = PrefixIndex(capacity_blocks=64, block_size=block_size)
+            for blocks, extra in ((0, 0), (0, block_size - 1), (1, 0), (2, 5), (7, block_size - 1)):
+                ids = tokens(blocks * block_size + extra, seed=blocks)
+                ours = index.hashes(ids)
+                parent, chain = None, []
+                for i in range(blocks):
+                    parent = kv.hash_block_tokens(sha256, parent, ids[i * block_size:(i + 1) * block_size])
+                    chain.append(parent)
+                assert ours == chain and len(ours) == blocks
+                request = Request("r", ids, SamplingParams(max_tokens=1), None,
+                                  block_hasher=kv.get_request_block_hasher(block_size, sha256))
+                assert ours == list(request.block_hashes)
+        other = PrefixIndex(capacity_blocks=64, seed="another")  # another NONE_HASH: other hashes
+        assert other.hashes(tokens(BS, 1)) != PrefixIndex(capacity_blocks=64).hashes(tokens(BS, 1))
+    finally:
+        for name, value in saved.items():
+            setattr(kv, name, value)
+
+
+def test_hashes_chain_on_the_whole_prefix():
+    a, b = tokens(3 * BS, 1), tokens(3 * BS, 2)
+    ha = block_hashes(a)
+    assert block_hashes(a + b)[:3] == ha  # an extended prompt shares its prefix's hashes
+    hb = block_hashes(b[:BS] + a[BS:])  # same 2nd and 3rd blocks after another 1st: different hashes throughout
+    assert not set(ha) & set(hb)
+
+
+# ---- the index ---------------------------------------------------------------------------------------------------
+def test_the_index_forgets_least_recently_used_chains_at_capacity():
+    index = PrefixIndex(capacity_blocks=4, block_size=BS)
+    a, b, c = (index.hashes(tokens(2 * BS, s)) for s in (1, 2, 3))
+    index.record("p", a)
+    index.record("p", b)
+    assert index.cached_tokens("p", a) == index.cached_tokens("p", b) == 2 * BS
+    assert index.cached_tokens("d", a) == 0  # per target
+    index.record("p", a)  # touched: now more recent than b
+    index.record("p", c)  # full: b goes
+    assert index.blocks("p") == 4
+    assert (index.cached_tokens("p", a), index.cached_tokens("p", b), index.cached_tokens("p", c)) == (2 * BS, 0, 2 * BS)
+    # a longer prompt over a cached one: the cached prefix counts, up to the first block not held
+    longer = index.hashes(tokens(2 * BS, 1) + tokens(3 * BS, 9))
+    assert longer[:2] == a and index.cached_tokens("p", longer) == 2 * BS
+    # over capacity by one block: a chain loses its tail first, so its head still counts
+    index.record("p", index.hashes(tokens(3 * BS, 4)))  # 3 new blocks: a's 2 and c's tail go (a is older)
+    assert index.cached_tokens("p", c) == BS and index.cached_tokens("p", a) == 0
+    index.forget("p")
+    assert index.cached_tokens("p", c) == 0 and index.blocks("p") == 0
+    with pytest.raises(ValueError):
+        PrefixIndex(capacity_blocks=0)
+
+
+def test_the_index_is_safe_across_threads():
+    index = PrefixIndex(capacity_blocks=50, block_size=BS)
+    chains = [index.hashes(tokens(4 * BS, s)) for s in range(40)]
+    errors = []
+
+    def work(k: int) -> None:
+        try:
+            rng = random.Random(k)
+            for _ in range(3000):
+                chain = rng.choice(chains)
+                if rng.random() < 0.5:
+                    index.record(f"t{k % 2}", chain)
+                else:
+                    assert index.cached_tokens(f"t{k % 2}", chain) % BS == 0
+        except Exception as e:  # noqa: BLE001 - reported below, from the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert index.blocks("t0") <= 50 and index.blocks("t1") <= 50
+
+
+# ---- the cost choice ---------------------------------------------------------------------------------------------
+def pools(**waits) -> dict[str, PoolState]:
+    """Both pools ready at the default prefill rate; `prefill=1.0` puts one second of backlog on it."""
+    out = {name: PoolState(name, backend=None, served_model_name=f"m-{name}", ready=True) for name in ("prefill", "decode")}
+    for name, seconds in waits.items():
+        out[name].backlog_tokens = int(seconds * out[name].prefill_rate.value)
+    return out
+
+
+def cache_aware(**fields) -> RoutePolicy:
+    return RoutePolicy(RoutingConfig(**{"cache_aware": True, "prefix_min_distinct_tokens": 64, "prefix_block_size": BS} | fields))
+
+
+def test_cache_aware_routing_is_off_by_default():
+    assert RoutingConfig().cache_aware is False and RoutePolicy(RoutingConfig()).index is None
+    with pytest.raises(ValueError, match="prefix_cache_tokens"):
+        RoutingConfig(cache_aware=True, prefix_cache_tokens=8, prefix_block_size=16)
+    with pytest.raises(ValueError):
+        RoutingConfig(prefix_load_factor=1.0)
+    with pytest.raises(ValueError):
+        RoutingConfig(prefix_min_distinct_tokens=-1)
+    policy = cache_aware(prefix_cache_tokens=1000)
+    assert (policy.index.capacity_blocks, policy.index.block_size) == (62, BS)
+
+
+def test_a_second_turn_stays_where_its_history_is_cached():
+    """Turn 1 is prompt-heavy (the ratio picks prefill); turn 2 adds a question and asks for a long answer (the ratio
+    picks decode) but prefill holds its 2,000-token history: counting decode's cold prefill, prefill is faster."""
+    policy = cache_aware()
+    history = tokens(2000, 1)
+    first = policy.decide(2000, 50, pools(), blocks=policy.blocks(history))
+    assert (first.pool, first.reason) == ("prefill", "ratio")
+    p = pools()
+    policy.index.record(first.pool, first.blocks)
+    turn2 = history + tokens(100, 2)
+    d = policy.decide(2100, 1000, p, blocks=policy.blocks(turn2))
+    assert (d.pool, d.reason) == ("prefill", "prefix")
+    assert "reason=prefix" in d.header()
+    assert RoutePolicy(RoutingConfig()).decide(2100, 1000, p).pool == "decode"  # the ratio alone: decode
+    # and the other way: a history on decode keeps a prompt-heavy next turn there
+    policy.index.forget("prefill")
+    policy.index.record("decode", first.blocks)
+    d = policy.decide(2100, 10, p, blocks=policy.blocks(turn2))
+    assert (d.pool, d.reason) == ("decode", "prefix")
+
+
+def test_a_cold_prompt_goes_where_the_ratio_says_even_to_the_slower_pool():
+    policy = cache_aware()
+    p = pools()
+    p["prefill"].prefill_rate.value = 50_000.0  # prefill prefills 10x faster, but holds nothing of this prompt
+    policy.index.record("prefill", policy.blocks(tokens(3000, 7)))  # another conversation
+    d = policy.decide(3000, 1000, p, blocks=policy.blocks(tokens(3000, 8)))
+    assert (d.pool, d.reason) == ("decode", "ratio")
+
+
+def test_a_shared_system_prompt_up_to_the_distinctive_minimum_does_not_pin_traffic():
+    """64 cached tokens count for nothing (prefix_min_distinct_tokens 64): a system prompt of up to 64 tokens cached
+    on prefill leaves decode-heavy requests on decode; 32 more cached tokens (a conversation of its own) count."""
+    policy = cache_aware()
+    system = tokens(64, 3)
+    policy.index.record("prefill", policy.blocks(system + tokens(500, 4)))  # someone else's request, same system prompt
+    mine = system + tokens(500, 5)
+    d = policy.decide(len(mine), 400, pools(), blocks=policy.blocks(mine))
+    assert (d.pool, d.reason) == ("decode", "ratio")
+    assert policy.cached_tokens("prefill", len(mine), d.blocks) == 64  # cached indeed, at the minimum
+    policy.index.record("prefill", policy.blocks(mine[:96]))  # 32 distinctive tokens beyond it
+    d = policy.decide(len(mine), 400, pools(), blocks=policy.blocks(mine))
+    assert (d.pool, d.reason) == ("prefill", "prefix")
+
+
+def test_a_much_more_loaded_pool_does_not_win_on_its_cache():
+    """Prefill holds 4,000 of the 4,100 prompt tokens and would still answer first (1 s wait + 100 tokens against
+    0.3 s + 4,100 tokens at 5,000 tokens/s), but its wait is over prefix_load_factor (2) times decode's."""
+    policy = cache_aware()
+    history = tokens(4000, 6)
+    policy.index.record("prefill", policy.blocks(history))
+    turn2 = history + tokens(100, 7)
+    blocks = policy.blocks(turn2)
+    p = pools(prefill=1.0, decode=0.3)
+    cached = policy.cached_tokens("prefill", len(turn2), blocks) - 64
+    assert policy.predicted_ttft(p["prefill"], len(turn2), cached) < policy.predicted_ttft(p["decode"], len(turn2))
+    d = policy.decide(len(turn2), 2000, p, blocks=blocks)
+    assert (d.pool, d.reason) == ("decode", "ratio")
+    d = policy.decide(len(turn2), 2000, pools(prefill=0.55, decode=0.3), blocks=blocks)  # within the factor
+    assert (d.pool, d.reason) == ("prefill", "prefix")
+    d = policy.decide(len(turn2), 2000, pools(prefill=0.2, decode=0.0), blocks=blocks)  # below backlog_min_seconds
+    assert (d.pool, d.reason) == ("prefill", "prefix")
+
+
+def test_the_backlog_override_counts_what_is_cached():
+    """The ratio's pool is backlogged (2 s against 0.1 s), which moves a cold prompt, not one whose history the
+    backlogged pool holds: there, 100 tokens to prefill after the wait beat 4,100 on the other pool."""
+    policy = cache_aware(prefix_load_factor=100.0)
+    history = tokens(4000, 8)
+    turn2 = history + tokens(100, 9)
+    d = policy.decide(len(turn2), 10, pools(prefill=2.0, decode=0.1), blocks=policy.blocks(turn2))
+    assert (d.pool, d.reason) == ("decode", "backlog")
+    policy.index.record("prefill", policy.blocks(history))
+    d = policy.decide(len(turn2), 10, pools(prefill=0.7, decode=0.1), blocks=policy.blocks(turn2))
+    assert (d.pool, d.reason) == ("prefill", "ratio")
+
+
+# ---- through the gateway -----------------------------------------------------------------------------------------
+def test_the_gateway_records_the_serving_pool_and_routes_the_next_turn_there(tiny_base):
+    """Through the app: turn 1 (prompt-heavy) is served by prefill and entered in the index at dispatch; turn 2
+    (decode-heavy by ratio) goes to prefill with reason `prefix`, in the route header and the route metrics, with the
+    prediction metrics. A pool that fails before its first token is forgotten; the pool that served is recorded."""
+    routing = {"cache_aware": True, "prefix_min_distinct_tokens": 32, "prefix_block_size": BS}
+    cfg = platform_config(tiny_base, max_model_len=2048, routing=routing)
+    backends = {"prefill": FakeBackend("prefill"), "decode": FakeBackend("decode")}
+    served = InProcessGateway(cfg, backends, batch=False)
+    index = served.gateway.policy.index
+    history = "The quarterly report says revenue grew in every region. " * 20
+
+    async def run():
+        async with served.client() as c:
+            before = parse((await c.get("/metrics")).text)
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": history, "max_tokens": 5})
+            assert r.status_code == 200, r.text
+            assert "pool=prefill; reason=ratio" in r.headers["x-swiftkv-route"]
+            prompt_tokens = r.json()["usage"]["prompt_tokens"]
+            assert index.blocks("prefill") == prompt_tokens // BS and index.blocks("decode") == 0
+            turn2 = {"model": "m", "prompt": history + " Summarize it in detail.", "max_tokens": 400}
+            r = await c.post("/v1/completions", json=turn2)
+            assert r.status_code == 200, r.text
+            route = r.headers["x-swiftkv-route"]
+            assert "pool=prefill; reason=prefix" in route and float(route.rsplit("ratio=", 1)[1]) < 4
+            after = parse((await c.get("/metrics")).text)
+            delta = lambda name, **labels: metric(after, name, **labels) - metric(before, name, **labels)  # noqa: E731
+            assert delta("swiftkv_route_decisions_total", pool="prefill", reason="prefix") == 1
+            assert delta("swiftkv_route_predicted_ttft_seconds_count", pool="prefill") == 2
+            assert delta("swiftkv_route_prefix_cached_tokens_total", pool="prefill") >= prompt_tokens - BS
+
+            # prefill goes down before its first token: the retry on decode is the one recorded, prefill is forgotten
+            backends["prefill"].error = BackendDown("pool prefill: engines restarting")
+            r = await c.post("/v1/completions", json=turn2)
+            assert r.status_code == 200, r.text
+            assert index.blocks("prefill") == 0 and index.blocks("decode") > 0
+            assert len(backends["decode"].requests) == 1
+
+    asyncio.run(run())
