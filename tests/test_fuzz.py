@@ -126,7 +126,10 @@ def fuzz(base: str, headers: dict, models: list[str]) -> tuple[dict, list, dict]
             def run(case, real_model):
                 if real_model and mode is GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
                     case.body["model"] = real_model  # a served model, so valid requests reach the engine
-                send(label, mode, case, strict=True)
+                # requests drops a query parameter or header whose value is None: a negative case whose only fault
+                # was such a part reaches the server valid, and its 200 says nothing of the server
+                dropped = any(v is None for part in (case.query, case.headers) if isinstance(part, dict) for v in part.values())
+                send(label, mode, case, strict=not (mode is GenerationMode.NEGATIVE and dropped))
 
             try:
                 run()
