@@ -38,17 +38,9 @@ class Dispatcher:
         what each pool holds of its prompt in its prefix cache); a 503 when none is ready."""
         blocks = self.policy.blocks(admitted.generate.prompt_token_ids)  # hashed once: the retry and the index reuse them
         try:
-            return self.decide(admitted, blocks, admitted.pinned)
+            return self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, admitted.pinned, blocks)
         except NoPoolAvailable as e:
             raise APIError(503, f"{e}; try again shortly", "server_error", code="unavailable", headers=self.retry_after) from None
-
-    def decide(self, admitted: AdmittedRequest, blocks: Sequence[bytes], pinned: str | None = None) -> Decision:
-        if self.policy.index is None:
-            return self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, pinned)
-        for pool in self.pools.values():
-            if not pool.ready:  # down: its engine comes back (if at all) with an empty prefix cache
-                self.policy.index.forget(pool.name)
-        return self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, pinned, blocks)
 
     async def stream(self, admitted: AdmittedRequest, decision: Decision, t0: float, source: str = "live") -> AsyncIterator[Output]:
         """The backend's outputs from the decided pool. If that pool goes down (BackendDown) before any token went
@@ -70,7 +62,7 @@ class Dispatcher:
                 raise
             first_error = e
         try:
-            again = self.decide(admitted, decision.blocks)
+            again = self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, blocks=decision.blocks)
         except NoPoolAvailable:
             raise first_error from None
         if again.pool == decision.pool:
@@ -121,9 +113,7 @@ class Dispatcher:
         except BackendDown:
             # The pool cannot serve (engine dead, server unreachable): route around it now; the health
             # watcher brings it back once it answers. A failure of one request leaves the pool in routing.
-            self.set_ready(pool, False)
-            if self.policy.index is not None:
-                self.policy.index.forget(pool.name)
+            self.set_ready(pool, False)  # which also empties the pool's entries in the prefix-cache index
             raise
         finally:
             end = time.perf_counter()

@@ -49,11 +49,11 @@ class Gateway:
         # and xgrammar release the GIL). Four threads: a small request finds one free beside a few huge ones;
         # more work waits its turn (requests are bounded by limits.max_concurrent_requests).
         self.cpu = ThreadPoolExecutor(max_workers=4, thread_name_prefix="swiftkv-cpu")
-        self.lifecycle = PoolLifecycle(cfg, backends, on_ready)
+        self.policy = RoutePolicy(cfg.routing)
+        self.lifecycle = PoolLifecycle(cfg, backends, on_ready, on_down=self.policy.forget)
         self.pools = self.lifecycle.pools
         self.admission = Admission(cfg, self.pools, prompter, keys, self.off_loop)
         self.limiter = self.admission.limiter
-        self.policy = RoutePolicy(cfg.routing)
         self.dispatch = Dispatcher(self.pools, self.policy, self.limiter, self.admission.output_estimate,
                                    self.lifecycle.set_ready, self.lifecycle.retry_after)
 

@@ -22,9 +22,11 @@ log = logging.getLogger("swiftkv.gateway")
 class PoolLifecycle:
     """The pools' states (`pools`, shared with routing and dispatch) and what keeps them current."""
 
-    def __init__(self, cfg: PlatformConfig, backends: dict[str, Backend], on_ready: Callable[[], None] | None = None):
+    def __init__(self, cfg: PlatformConfig, backends: dict[str, Backend], on_ready: Callable[[], None] | None = None,
+                 on_down: Callable[[str], None] | None = None):
         self.cfg = cfg
         self.on_ready = on_ready
+        self.on_down = on_down  # told the name of a pool found down (its engine comes back with an empty prefix cache)
         self.pools = {
             name: PoolState(name, backend, cfg.served_name(name), max_model_len(cfg.pools[name].model, cfg.pools[name].engine_args))
             for name, backend in backends.items()
@@ -63,6 +65,8 @@ class PoolLifecycle:
                     "ready" if ready else "is down", pool.served_model_name)
         pool.ready = ready
         metrics.pool_ready.labels(pool.name).set(int(ready))
+        if not ready and self.on_down is not None:
+            self.on_down(pool.name)
 
     def _announce(self) -> None:
         if self.on_ready is not None and self.ready and not self._announced:

@@ -134,6 +134,11 @@ class RoutePolicy:
         """The prompt's block hashes when routing is cache-aware (else none: nothing to hash)."""
         return () if self.index is None else tuple(self.index.hashes(prompt_token_ids))
 
+    def forget(self, pool: str) -> None:
+        """The pool went down: whatever it held in its prefix cache is gone."""
+        if self.index is not None:
+            self.index.forget(pool)
+
     def cached_tokens(self, pool: str, prompt_tokens: int, blocks: Sequence[bytes]) -> int:
         """Prompt tokens `pool` should find in its prefix cache; never the last one (vLLM computes at least one)."""
         if self.index is None or not blocks:
