@@ -16,8 +16,10 @@ def bench_platform_command(
     rate: Annotated[list[float], typer.Option("--rate", help="Offered load, requests/s (Poisson); repeat for a sweep")] = [0.5],  # noqa: B006
     count: Annotated[int, typer.Option(help="Requests per rate, at most")] = 100,
     duration: Annotated[float, typer.Option(help="Arrivals per rate stop after this many seconds")] = 180.0,
-    configs: Annotated[str, typer.Option(help="Comma-separated: routed, base, swiftkv, routed-spec, base-spec (-spec: "
-                                         "the same with speculative decoding on every pool)")] = "routed,base,swiftkv",
+    configs: Annotated[str, typer.Option(help="Comma-separated: routed (ratio only), routed-cache (the default routing: "
+                                         "ratio, load balance, prefix cache), base, swiftkv, routed-spec, base-spec "
+                                         "(routed-cache / base with speculative decoding on every pool)")
+                       ] = "routed,routed-cache,base,swiftkv",
     spec_method: Annotated[str, typer.Option(help="The -spec configurations' speculative decoding: ngram (prompt lookup) or "
                                              "suffix (Arctic Inference)")] = "ngram",
     spec_tokens: Annotated[int, typer.Option(help="-spec: tokens proposed per step at most (num_speculative_tokens)")] = 4,
@@ -43,10 +45,10 @@ def bench_platform_command(
     api_key: Annotated[str, typer.Option(envvar="SWIFTKV_BENCH_API_KEY", help="With --target: bearer key sent with every request")] = "none",
     json: AsJson = False,
 ) -> None:
-    """The whole platform under real-text traffic: routed (SwiftKV + base pools), base (2 base replicas) and
-    swiftkv (2 SwiftKV replicas), and routed-spec / base-spec (routed / base with speculative decoding on every
-    pool), each started through `swiftkv serve`, one after the other on these cores; or, with --target, a server
-    that is already running."""
+    """The whole platform under real-text traffic: routed and routed-cache (SwiftKV + base pools, routed by the ratio
+    alone / by the default routing), base (2 base replicas) and swiftkv (2 SwiftKV replicas), and routed-spec /
+    base-spec (routed-cache / base with speculative decoding on every pool), each started through `swiftkv serve`,
+    one after the other on these cores; or, with --target, a server that is already running."""
     import json as jsonlib
     import os
     import sys

@@ -5,12 +5,15 @@ Each configuration is started by this tool as its own `swiftkv serve --engine in
 in-process engines, same engine arguments and KV budget each), measured, and stopped before the next:
 
     routed   prefill pool = the SwiftKV model, decode pool = the base model; requests name the public
-             model, so the gateway's default ratio routing (with its backlog override) picks the pool
+             model, and the prompt/output ratio alone picks the pool (routing.balance and cache_aware off)
+    routed-cache
+             the same pools with the platform's default routing: the ratio's intent, overridden by the pools'
+             predicted work (balance) and by what each holds in its prefix cache (cache_aware)
     base     both pools serve the base model; requests alternate between the two pools' own model names
              (round-robin over two replicas, through the same gateway)
     swiftkv  both pools serve the SwiftKV model, round-robin likewise
     routed-spec, base-spec
-             routed and base with speculative decoding on every pool: each pool's `speculative` block in the
+             routed-cache and base with speculative decoding on every pool: each pool's `speculative` block in the
              platform config (the method and its settings: --spec-method, --spec-tokens, --spec-lookup-min/max;
              default ngram, 4 tokens, n-grams of 2 to 4). A SwiftKV pool cannot speculate on a GPU, so routed-spec
              is refused there before anything starts
@@ -54,10 +57,18 @@ from loadtest.workloads import WORKLOADS, Request, generate, summary
 from services.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("routed", "base", "swiftkv", "routed-spec", "base-spec")
-DEFAULT_CONFIGS = ("routed", "base", "swiftkv")
-# a -spec configuration: the pools of the one it names, every pool speculating
-SPECULATING = {"routed-spec": "routed", "base-spec": "base"}
+# configuration -> (its pools' models: routed, base or swiftkv; its routing settings beyond the platform's defaults)
+LAYOUTS: dict[str, tuple[str, dict]] = {
+    "routed": ("routed", {"balance": False, "cache_aware": False}),
+    "routed-cache": ("routed", {}),
+    "base": ("base", {}),
+    "swiftkv": ("swiftkv", {}),
+    "routed-spec": ("routed", {}),
+    "base-spec": ("base", {}),
+}
+CONFIGS = tuple(LAYOUTS)
+DEFAULT_CONFIGS = ("routed", "routed-cache", "base", "swiftkv")
+SPECULATING = ("routed-spec", "base-spec")  # every pool speculates
 SPEC_METHODS = ("ngram", "suffix")
 PUBLIC = "swiftkv-bench"
 
@@ -169,9 +180,9 @@ def engine_args(cfg: PlatformBenchConfig) -> dict:
 
 def platform_config(name: str, cfg: PlatformBenchConfig, port: int) -> dict:
     """The `swiftkv serve` YAML of one configuration (pools named prefill/decode in every one)."""
-    layout = SPECULATING.get(name, name)
-    if layout not in DEFAULT_CONFIGS:
+    if name not in LAYOUTS:
         raise PlatformBenchError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
+    layout, routing = LAYOUTS[name]
     prefill, decode = {"routed": (cfg.swiftkv_model, cfg.base_model), "base": (cfg.base_model, cfg.base_model),
                        "swiftkv": (cfg.swiftkv_model, cfg.swiftkv_model)}[layout]
     tokenizer = cfg.tokenizer or cfg.base_model
@@ -182,12 +193,12 @@ def platform_config(name: str, cfg: PlatformBenchConfig, port: int) -> dict:
         return {"model": str(Path(model).resolve()), "tokenizer": str(Path(tokenizer).resolve()), "engine_args": engine_args(cfg), **spec}
 
     return {"model": PUBLIC, "host": "127.0.0.1", "port": port, "pools": {"prefill": pool(prefill), "decode": pool(decode)},
-            "limits": {"max_body_bytes": 4_000_000}}
+            "limits": {"max_body_bytes": 4_000_000}, **({"routing": routing} if routing else {})}
 
 
 def model_names(name: str) -> list[str]:
     """What requests ask for, in turn: the public name (routed), or each pool's own name (round-robin)."""
-    return [PUBLIC] if SPECULATING.get(name, name) == "routed" else [f"{PUBLIC}-prefill", f"{PUBLIC}-decode"]
+    return [PUBLIC] if LAYOUTS[name][0] == "routed" else [f"{PUBLIC}-prefill", f"{PUBLIC}-decode"]
 
 
 def speculation_refusals(cfg: PlatformBenchConfig, on_cpu: bool) -> list[str]:

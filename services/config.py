@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from swiftkv_core.hardware import check_cpu_cores
 
+DEFAULT_BLOCK_SIZE = 16  # vLLM's CacheConfig default block size (GPUs); its CPU backend picks 128
+DEFAULT_PREFIX_CACHE_TOKENS = 16_384
+
 DEFAULT_CONFIG = """\
 # Served by `swiftkv serve` when no --config is given (and by `swiftkv demo`).
 # dtype auto: the model's dtype on GPUs; on CPUs bfloat16 only with native bf16 (AVX-512 BF16 or AMX), else float32.
@@ -29,7 +32,9 @@ model: swiftkv-smollm2            # the public name; requests for it are routed 
 host: 127.0.0.1
 port: 8000
 routing:
-  ratio_threshold: 4.0            # prompt/expected-output tokens >= this -> prefill pool
+  ratio_threshold: 4.0            # prompt/expected-output tokens >= this -> prefill pool, unless...
+  balance: true                   # ...it holds more predicted work than the other pool (both engines stay busy)
+  cache_aware: true               # ...or the other pool holds more of the prompt in its prefix cache
 pools:
   prefill:                        # SwiftKV model: cheap prefill for prompt-heavy requests
     model: models/smollm2-135m-instruct-swiftkv
@@ -174,34 +179,55 @@ class PoolConfig(StrictModel):
 
 
 class RoutingConfig(StrictModel):
+    """How the gateway picks a pool: the prompt/output ratio states the intent; the pools' predicted work (load
+    balance) and what each holds in its prefix cache (cache-aware) may override it (services/gateway/routing.py)."""
+
     ratio_threshold: float = Field(4.0, gt=0, description="prompt/output >= threshold -> prefill pool")
-    backlog_factor: float = Field(4.0, gt=1, description="override the ratio when the chosen pool's predicted wait is this many times the other's")
-    backlog_min_seconds: float = Field(0.25, ge=0, description="ignore backlog differences below this wait")
     default_output_estimate: int = Field(256, ge=1, description="expected output before any request without max_tokens has finished")
-    cache_aware: bool = Field(False, description="let what each pool holds in vLLM's prefix cache (as the gateway tracks it) "
-                              "override the ratio: a request goes to the other pool when its predicted time to first token "
-                              "there, counting only the prompt tokens not cached there, is lower (route reason `prefix`)")
+    balance: bool = Field(True, description="send a request to the other pool when the ratio's pool holds more predicted work "
+                          "(prompt tokens not yet prefilled + decode_token_cost * expected output tokens of the requests in "
+                          "flight there, and this one's) by more than balance_margin_tokens (route reason `backlog`); off: "
+                          "the ratio alone decides while both pools are up")
+    decode_token_cost: float = Field(4.0, gt=0, description="the work of one output token in prompt tokens' prefill work: on "
+                                     "2 CPU cores a batched decode step per sequence costs about what 4-7 prompt tokens of "
+                                     "prefill do (BENCHMARKS.md, Engine); on GPUs decode is relatively cheaper")
+    balance_margin_tokens: int = Field(2048, ge=0, description="balance: the difference in predicted work, in prompt-token "
+                                       "units, below which the ratio's choice stands (about one prompt-heavy request)")
+    cache_aware: bool = Field(True, description="let what each pool holds in vLLM's prefix cache (as the gateway tracks it) "
+                              "count: a request goes to the other pool when it holds more of the prompt cached there and its "
+                              "predicted work there, counting only the prompt tokens not cached, is lower (route reason `prefix`)")
     prefix_min_distinct_tokens: int = Field(256, ge=0, description="cache_aware: cached prompt tokens up to this many count for "
                                             "nothing, so a prefix every request shares (a system prompt no longer than this) "
                                             "does not pin traffic to a pool")
-    prefix_load_factor: float = Field(2.0, gt=1, description="cache_aware: a pool whose predicted wait is this many times the "
-                                      "other's (and at least backlog_min_seconds) does not win on its cache")
-    prefix_block_size: int = Field(16, ge=1, description="cache_aware: tokens per prefix-cache block, the engines' block_size "
-                                   "(vLLM's default: 16 on GPUs, 128 on its CPU backend unless engine_args.block_size says)")
-    prefix_cache_tokens: int = Field(16_384, ge=1, description="cache_aware: tokens of prompt prefixes one pool's engine keeps "
-                                     "cached, its KV-cache capacity (vLLM's num_gpu_blocks * block_size; the engine's start-up "
-                                     "log says 'KV cache: N tokens'); the gateway forgets the least recently sent beyond it")
+    prefix_block_size: int | None = Field(None, ge=1, description="cache_aware: tokens per prefix-cache block, the engines' "
+                                          "block_size; null: what in-process engines report (vLLM's CPU backend: 128), else "
+                                          "16 (vLLM's default on GPUs)")
+    prefix_cache_tokens: int | None = Field(None, ge=1, description="cache_aware: tokens of prompt prefixes one pool's engine "
+                                            "keeps cached, its KV-cache capacity (vLLM's num_gpu_blocks * block_size); the "
+                                            "gateway forgets the least recently sent beyond it. null: what in-process engines "
+                                            "report, else 16,384")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced_keys(cls, data: Any) -> Any:
+        replaced = {
+            "backlog_factor": "routing.balance and routing.balance_margin_tokens (the pools' predicted work in prompt "
+                              "tokens, not a ratio of waits)",
+            "backlog_min_seconds": "routing.balance_margin_tokens",
+            "prefix_load_factor": "nothing: a pool's load counts in its predicted work, cache or not",
+        }
+        if isinstance(data, dict):
+            for key, instead in replaced.items():
+                if key in data:
+                    raise ValueError(f"routing.{key} is no longer a setting; use {instead}")
+        return data
 
     @model_validator(mode="after")
     def _prefix_cache_holds_a_block(self) -> "RoutingConfig":
-        if self.prefix_cache_tokens < self.prefix_block_size:
+        if self.prefix_cache_tokens is not None and self.prefix_cache_tokens < (self.prefix_block_size or DEFAULT_BLOCK_SIZE):
             raise ValueError(f"routing.prefix_cache_tokens ({self.prefix_cache_tokens}) must hold at least one block of "
-                             f"routing.prefix_block_size ({self.prefix_block_size}) tokens")
+                             f"routing.prefix_block_size ({self.prefix_block_size or DEFAULT_BLOCK_SIZE}) tokens")
         return self
-
-    @property
-    def prefix_cache_blocks(self) -> int:
-        return self.prefix_cache_tokens // self.prefix_block_size
 
 
 class LimitsConfig(StrictModel):

@@ -152,16 +152,17 @@ def test_cli_refuses_bad_options(tiny_base, tmp_path):
 @pytest.mark.engine
 def test_platform_run_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
     out = tmp_path / "report.json"
-    # routed and base (each its own `swiftkv serve` of two engines): the third, swiftkv, differs from base only in
-    # the model of one pool (tests/test_bench_platform.py::test_spec_configurations_speculate_on_every_pool builds every config)
-    r = swiftkv("--workload", "mixed", "--rate", "2", "--rate", "4", "--count", "8", "--scale", "0.1", "--configs", "routed,base",
+    # routed-cache and base (each its own `swiftkv serve` of two engines): routed and swiftkv differ from them only in
+    # the routing settings or the model of one pool (tests/test_bench_platform.py::test_spec_configurations_speculate_on_every_pool
+    # builds every config)
+    r = swiftkv("--workload", "mixed", "--rate", "2", "--rate", "4", "--count", "8", "--scale", "0.1", "--configs", "routed-cache,base",
                 "--base-model", str(tiny_base), "--swiftkv-model", str(tiny_swiftkv), "--text", str(corpus),
                 "--max-model-len", "512", "--kv-cache-mib", "32", "--dtype", "float32", "--ttft-slo", "5", "--tpot-slo", "1",
                 "--out", str(out), "--json", "--no-progress", "--quiet-load", "1000")
     assert r.returncode == 0, r.stderr[-4000:]
     report = json.loads(r.stdout)
     assert report == json.loads(out.read_text())
-    assert report["workload"] == "mixed" and set(report["configs"]) == {"routed", "base"}
+    assert report["workload"] == "mixed" and set(report["configs"]) == {"routed-cache", "base"}
     assert report["machine"]["cpu_model"] and "cpu_flags" in report["machine"] and len(report["machine"]["load_average"]) == 3
     for name, c in report["configs"].items():
         for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s", "goodput_rps"):
@@ -171,10 +172,11 @@ def test_platform_run_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
             f = c["rates"][rate]
             assert f["completed"] == f["requests"] == 8 and f["prompt_tok_s"] > 0 and f["output_tok_s"] > 0
             assert f["itl_p50_s"] is not None and f["e2e_p50_s"] >= f["ttft_p50_s"]
-    # routed: the ratio sends rag to the SwiftKV pool and the rest to the base pool; the others alternate
-    routed = report["configs"]["routed"]["rates"]["4.0"]
+    # routed-cache: the ratio sends rag to the SwiftKV pool and the rest to the base pool, unless the load or the
+    # prefix cache says otherwise; the others alternate
+    routed = report["configs"]["routed-cache"]["rates"]["4.0"]
     assert set(routed["pool_share"]) <= {"prefill", "decode"} and routed["pool_share"].get("prefill", 0) > 0
-    assert set(routed["route_reasons"]) <= {"ratio", "backlog"}
+    assert set(routed["route_reasons"]) <= {"ratio", "backlog", "prefix"} and routed["route_reasons"].get("ratio", 0) > 0
     f = report["configs"]["base"]["rates"]["4.0"]
     assert f["pool_share"] == {"decode": 0.5, "prefill": 0.5} and f["route_reasons"] == {"pinned": 8}
     for png in report["plots"]:
@@ -470,19 +472,20 @@ NGRAM_BLOCK = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_mi
 
 
 def test_spec_configurations_speculate_on_every_pool(tmp_path):
-    """routed-spec and base-spec are routed and base with each pool's `speculative` block set (the project's
-    defaults: ngram, 4 tokens, n-grams of 2 to 4); the others have none. Each is a platform config `swiftkv serve`
-    accepts, whose engines get vLLM's speculative_config from the block."""
+    """routed-spec and base-spec are routed-cache and base with each pool's `speculative` block set (the project's
+    defaults: ngram, 4 tokens, n-grams of 2 to 4); the others have none. routed is routed-cache with the ratio alone
+    deciding. Each is a platform config `swiftkv serve` accepts, whose engines get vLLM's speculative_config from the
+    block."""
     from loadtest.platform_bench import CONFIGS, DEFAULT_CONFIGS, PUBLIC, PlatformBenchConfig, model_names, platform_config
     from services.config import PlatformConfig
 
-    assert CONFIGS == ("routed", "base", "swiftkv", "routed-spec", "base-spec") and DEFAULT_CONFIGS == CONFIGS[:3]
+    assert CONFIGS == ("routed", "routed-cache", "base", "swiftkv", "routed-spec", "base-spec") and DEFAULT_CONFIGS == CONFIGS[:4]
     base, swift = checkpoint(tmp_path / "base", False), checkpoint(tmp_path / "swiftkv", True)
     cfg = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift))
     assert cfg.configs == list(DEFAULT_CONFIGS)  # the -spec ones run when asked for
     built = {name: platform_config(name, cfg, 8123) for name in CONFIGS}
     models = {name: (c["pools"]["prefill"]["model"], c["pools"]["decode"]["model"]) for name, c in built.items()}
-    assert models["routed"] == models["routed-spec"] == (str(swift.resolve()), str(base.resolve()))
+    assert models["routed"] == models["routed-cache"] == models["routed-spec"] == (str(swift.resolve()), str(base.resolve()))
     assert models["base"] == models["base-spec"] == (str(base.resolve()), str(base.resolve()))
     assert models["swiftkv"] == (str(swift.resolve()), str(swift.resolve()))
     for name, c in built.items():
@@ -491,9 +494,10 @@ def test_spec_configurations_speculate_on_every_pool(tmp_path):
             assert pool.get("speculative") == (NGRAM_BLOCK if speculating else None), (name, pool_name)
             assert "speculative_config" not in pool["engine_args"]  # the pool's block, not raw engine arguments
         if speculating:  # the same YAML as the configuration it extends, but for the blocks
-            plain = built[name.removesuffix("-spec")]
+            plain = built[{"routed-spec": "routed-cache", "base-spec": "base"}[name]]
             assert {**c, "pools": {p: {k: v for k, v in pool.items() if k != "speculative"} for p, pool in c["pools"].items()}} == plain
         platform = PlatformConfig.model_validate(c)
+        assert (platform.routing.balance, platform.routing.cache_aware) == ((False, False) if name == "routed" else (True, True))
         for pool in platform.pools.values():
             assert pool.vllm_engine_args().get("speculative_config") == (NGRAM_BLOCK if speculating else None)
     assert model_names("routed-spec") == model_names("routed") == [PUBLIC]
@@ -516,7 +520,7 @@ def test_unknown_configurations_and_bad_speculation_settings_are_refused(tmp_pat
     with pytest.raises(PlatformBenchError) as e:
         PlatformBenchConfig(configs=["routed", "fast"], **ok).check()
     assert "--configs: unknown ['fast']" in str(e.value)
-    assert "choose from routed, base, swiftkv, routed-spec, base-spec" in str(e.value)
+    assert "choose from routed, routed-cache, base, swiftkv, routed-spec, base-spec" in str(e.value)
     with pytest.raises(PlatformBenchError, match="unknown configuration 'routed-fast'; choose from .*base-spec"):
         platform_config("routed-fast", PlatformBenchConfig(**ok), 1)
     PlatformBenchConfig(configs=["routed-spec", "base-spec", "base"], **ok).check()

@@ -32,18 +32,45 @@ def test_ratio_picks_the_pool():
     assert "pool=decode; reason=ratio" in d.header()
 
 
-def test_backlog_overrides_the_ratio_only_when_much_worse():
-    policy = RoutePolicy(RoutingConfig(ratio_threshold=4, backlog_factor=4, backlog_min_seconds=0.25))
+def test_balance_overrides_the_ratio_when_the_other_pool_has_much_less_work():
+    """Predicted work: prompt tokens not yet prefilled + decode_token_cost (4) per expected output token, in flight and
+    this request's. The ratio's pool must hold more than balance_margin_tokens (2,048) more than the other."""
+    policy = RoutePolicy(RoutingConfig(ratio_threshold=4, cache_aware=False))
     p = pools()
-    p["prefill"].prefill_rate.value = p["decode"].prefill_rate.value = 1000.0
-    p["prefill"].backlog_tokens = 2000  # 2 s of queued prefill
-    p["decode"].backlog_tokens = 1000  # 1 s: not 4x better
-    assert policy.decide(400, 10, p).reason == "ratio"
-    p["decode"].backlog_tokens = 100  # 0.1 s
+    p["prefill"].dispatched(1000, 250)  # 1,000 + 4 * 250 = 2,000 tokens of work
+    assert p["prefill"].work(4.0) == 2000
+    assert policy.decide(400, 10, p).reason == "ratio"  # 2,000 more than decode: within the margin
+    p["prefill"].dispatched(49, 0)
     d = policy.decide(400, 10, p)
     assert (d.pool, d.reason) == ("decode", "backlog")
-    p["prefill"].backlog_tokens = 200  # 0.2 s: below the minimum wait worth acting on
+    assert RoutePolicy(RoutingConfig(balance=False, cache_aware=False)).decide(400, 10, p).reason == "ratio"
+    p["decode"].dispatched(0, 100)  # decode's own work in flight counts against it
     assert policy.decide(400, 10, p).reason == "ratio"
+    p["prefill"].first_token(1049, 1.0)  # prefilled: only its decode is left there (1,000 against 400)
+    p["prefill"].ended(250)
+    assert p["prefill"].work(4.0) == 0
+    d = policy.decide(20, 200, p)  # decode-heavy, and decode holds 400 more: within the margin
+    assert (d.pool, d.reason) == ("decode", "ratio")
+
+
+def test_a_burst_shares_both_pools_and_a_trickle_keeps_to_the_ratio():
+    """16 rag-like requests (1,500 prompt, 150 output tokens) at once: balance spreads them over both pools; the same
+    requests one after another (each ended before the next) all go where the ratio says."""
+    policy = RoutePolicy(RoutingConfig(cache_aware=False))
+    p = pools()
+    served = {"prefill": 0, "decode": 0}
+    for _ in range(16):
+        d = policy.decide(1500, 150, p)
+        p[d.pool].dispatched(1500, 150)
+        served[d.pool] += 1
+    assert served == {"prefill": 8, "decode": 8}
+    p = pools()
+    for _ in range(16):
+        d = policy.decide(1500, 150, p)
+        assert (d.pool, d.reason) == ("prefill", "ratio")
+        p[d.pool].dispatched(1500, 150)
+        p[d.pool].first_token(1500, 0.5)
+        p[d.pool].ended(150)
 
 
 def test_fallback_pinned_and_single_pool():

@@ -5,6 +5,7 @@ gateway app over the fake backend."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import threading
 
@@ -124,33 +125,55 @@ def test_the_index_is_safe_across_threads():
 
 
 # ---- the cost choice ---------------------------------------------------------------------------------------------
-def pools(**waits) -> dict[str, PoolState]:
-    """Both pools ready at the default prefill rate; `prefill=1.0` puts one second of backlog on it."""
+def pools(**work) -> dict[str, PoolState]:
+    """Both pools ready; `prefill=5000` puts 5,000 prompt tokens of work in flight on it."""
     out = {name: PoolState(name, backend=None, served_model_name=f"m-{name}", ready=True) for name in ("prefill", "decode")}
-    for name, seconds in waits.items():
-        out[name].backlog_tokens = int(seconds * out[name].prefill_rate.value)
+    for name, tokens_ in work.items():
+        out[name].dispatched(tokens_)
     return out
 
 
 def cache_aware(**fields) -> RoutePolicy:
-    return RoutePolicy(RoutingConfig(**{"cache_aware": True, "prefix_min_distinct_tokens": 64, "prefix_block_size": BS} | fields))
+    return RoutePolicy(RoutingConfig(**{"prefix_min_distinct_tokens": 64, "prefix_block_size": BS} | fields))
 
 
-def test_cache_aware_routing_is_off_by_default():
-    assert RoutingConfig().cache_aware is False and RoutePolicy(RoutingConfig()).index is None
+def test_cache_aware_routing_is_on_by_default_and_replaced_settings_are_refused():
+    policy = RoutePolicy(RoutingConfig())
+    assert policy.cfg.cache_aware and policy.cfg.balance
+    assert (policy.index.block_size, policy.index.capacity_blocks) == (16, 16_384 // 16)  # until an engine reports its own
+    assert RoutePolicy(RoutingConfig(cache_aware=False)).index is None
     with pytest.raises(ValueError, match="prefix_cache_tokens"):
-        RoutingConfig(cache_aware=True, prefix_cache_tokens=8, prefix_block_size=16)
-    with pytest.raises(ValueError):
-        RoutingConfig(prefix_load_factor=1.0)
+        RoutingConfig(prefix_cache_tokens=8, prefix_block_size=16)
+    for old, new in (("backlog_factor", "balance_margin_tokens"), ("backlog_min_seconds", "balance_margin_tokens"),
+                     ("prefix_load_factor", "predicted work")):
+        with pytest.raises(ValueError, match=f"routing.{old} is no longer a setting; use .*{new}"):
+            RoutingConfig(**{old: 2.0})
     with pytest.raises(ValueError):
         RoutingConfig(prefix_min_distinct_tokens=-1)
     policy = cache_aware(prefix_cache_tokens=1000)
     assert (policy.index.capacity_blocks, policy.index.block_size) == (62, BS)
 
 
+def test_the_index_follows_the_engines_block_size_and_capacity_unless_the_config_fixes_them():
+    policy = RoutePolicy(RoutingConfig())
+    policy.adopt_engine_cache("prefill", 128, 128 * 10)
+    policy.adopt_engine_cache("decode", 128, 128 * 20)
+    assert policy.index.block_size == 128
+    chain = policy.blocks(tokens(128 * 30, 1))
+    assert len(chain) == 30
+    policy.index.record("prefill", chain)
+    policy.index.record("decode", chain)
+    assert (policy.index.blocks("prefill"), policy.index.blocks("decode")) == (10, 20)  # each engine's own capacity
+    fixed = cache_aware(prefix_cache_tokens=BS * 4)
+    fixed.adopt_engine_cache("prefill", 128, 128 * 10)
+    assert fixed.index.block_size == BS
+    fixed.index.record("prefill", fixed.blocks(tokens(BS * 9, 2)))
+    assert fixed.index.blocks("prefill") == 4
+
+
 def test_a_second_turn_stays_where_its_history_is_cached():
     """Turn 1 is prompt-heavy (the ratio picks prefill); turn 2 adds a question and asks for a long answer (the ratio
-    picks decode) but prefill holds its 2,000-token history: counting decode's cold prefill, prefill is faster."""
+    picks decode) but prefill holds its 2,000-token history: counting decode's cold prefill, prefill has less work."""
     policy = cache_aware()
     history = tokens(2000, 1)
     first = policy.decide(2000, 50, pools(), blocks=policy.blocks(history))
@@ -169,12 +192,10 @@ def test_a_second_turn_stays_where_its_history_is_cached():
     assert (d.pool, d.reason) == ("decode", "prefix")
 
 
-def test_a_cold_prompt_goes_where_the_ratio_says_even_to_the_slower_pool():
+def test_a_cold_prompt_goes_where_the_ratio_says():
     policy = cache_aware()
-    p = pools()
-    p["prefill"].prefill_rate.value = 50_000.0  # prefill prefills 10x faster, but holds nothing of this prompt
     policy.index.record("prefill", policy.blocks(tokens(3000, 7)))  # another conversation
-    d = policy.decide(3000, 1000, p, blocks=policy.blocks(tokens(3000, 8)))
+    d = policy.decide(3000, 1000, pools(), blocks=policy.blocks(tokens(3000, 8)))
     assert (d.pool, d.reason) == ("decode", "ratio")
 
 
@@ -193,35 +214,34 @@ def test_a_shared_system_prompt_up_to_the_distinctive_minimum_does_not_pin_traff
     assert (d.pool, d.reason) == ("prefill", "prefix")
 
 
-def test_a_much_more_loaded_pool_does_not_win_on_its_cache():
-    """Prefill holds 4,000 of the 4,100 prompt tokens and would still answer first (1 s wait + 100 tokens against
-    0.3 s + 4,100 tokens at 5,000 tokens/s), but its wait is over prefix_load_factor (2) times decode's."""
+def test_a_pool_loaded_beyond_what_its_cache_saves_does_not_win_on_it():
+    """Prefill holds 4,000 of the 4,100 prompt tokens (3,936 beyond the minimum): it wins the next turn while the
+    work in flight there exceeds decode's by less than that, and loses it beyond (no hotspot on a cached document)."""
     policy = cache_aware()
     history = tokens(4000, 6)
     policy.index.record("prefill", policy.blocks(history))
     turn2 = history + tokens(100, 7)
     blocks = policy.blocks(turn2)
-    p = pools(prefill=1.0, decode=0.3)
-    cached = policy.cached_tokens("prefill", len(turn2), blocks) - 64
-    assert policy.predicted_ttft(p["prefill"], len(turn2), cached) < policy.predicted_ttft(p["decode"], len(turn2))
-    d = policy.decide(len(turn2), 2000, p, blocks=blocks)
-    assert (d.pool, d.reason) == ("decode", "ratio")
-    d = policy.decide(len(turn2), 2000, pools(prefill=0.55, decode=0.3), blocks=blocks)  # within the factor
+    d = policy.decide(len(turn2), 2000, pools(prefill=3900), blocks=blocks)
     assert (d.pool, d.reason) == ("prefill", "prefix")
-    d = policy.decide(len(turn2), 2000, pools(prefill=0.2, decode=0.0), blocks=blocks)  # below backlog_min_seconds
+    d = policy.decide(len(turn2), 2000, pools(prefill=4000), blocks=blocks)
+    assert (d.pool, d.reason) == ("decode", "ratio")
+    d = policy.decide(len(turn2), 2000, pools(prefill=9000, decode=5000), blocks=blocks)  # the difference counts
+    assert (d.pool, d.reason) == ("decode", "ratio")
+    d = policy.decide(len(turn2), 2000, pools(prefill=8000, decode=5000), blocks=blocks)
     assert (d.pool, d.reason) == ("prefill", "prefix")
 
 
 def test_the_backlog_override_counts_what_is_cached():
-    """The ratio's pool is backlogged (2 s against 0.1 s), which moves a cold prompt, not one whose history the
-    backlogged pool holds: there, 100 tokens to prefill after the wait beat 4,100 on the other pool."""
-    policy = cache_aware(prefix_load_factor=100.0)
+    """The ratio's pool holds 4,500 tokens more work than the other (over the 2,048 margin), which moves a cold
+    prompt, not one whose history that pool holds: its 3,936 cached tokens bring the difference under the margin."""
+    policy = cache_aware()
     history = tokens(4000, 8)
     turn2 = history + tokens(100, 9)
-    d = policy.decide(len(turn2), 10, pools(prefill=2.0, decode=0.1), blocks=policy.blocks(turn2))
+    d = policy.decide(len(turn2), 10, pools(prefill=5000, decode=500), blocks=policy.blocks(turn2))
     assert (d.pool, d.reason) == ("decode", "backlog")
     policy.index.record("prefill", policy.blocks(history))
-    d = policy.decide(len(turn2), 10, pools(prefill=0.7, decode=0.1), blocks=policy.blocks(turn2))
+    d = policy.decide(len(turn2), 10, pools(prefill=5000, decode=500), blocks=policy.blocks(turn2))
     assert (d.pool, d.reason) == ("prefill", "ratio")
 
 
@@ -230,7 +250,7 @@ def test_the_gateway_records_the_serving_pool_and_routes_the_next_turn_there(tin
     """Through the app: turn 1 (prompt-heavy) is served by prefill and entered in the index at dispatch; turn 2
     (decode-heavy by ratio) goes to prefill with reason `prefix`, in the route header and the route metrics, with the
     prediction metrics. A pool that fails before its first token is forgotten; the pool that served is recorded."""
-    routing = {"cache_aware": True, "prefix_min_distinct_tokens": 32, "prefix_block_size": BS}
+    routing = {"prefix_min_distinct_tokens": 32, "prefix_block_size": BS}
     cfg = platform_config(tiny_base, max_model_len=2048, routing=routing)
     backends = {"prefill": FakeBackend("prefill"), "decode": FakeBackend("decode")}
     served = InProcessGateway(cfg, backends, batch=False)
@@ -264,3 +284,36 @@ def test_the_gateway_records_the_serving_pool_and_routes_the_next_turn_there(tin
             assert len(backends["decode"].requests) == 1
 
     asyncio.run(run())
+
+
+def test_the_gateway_takes_the_engines_cache_layout_and_returns_the_work_it_counted(tiny_base):
+    """Pools whose engines report their KV cache (block size 128, as vLLM's CPU backend) set the index's blocks and each
+    pool's capacity; every request's work in flight, answered or failed, leaves the pool's count when it ends."""
+    cfg = platform_config(tiny_base, max_model_len=2048)
+    backends = {"prefill": FakeBackend("prefill", cache=(128, 128 * 40)), "decode": FakeBackend("decode", cache=(128, 128 * 80))}
+    served = InProcessGateway(cfg, backends, batch=False)
+    policy = served.gateway.policy
+
+    async def run():
+        await served.gateway.start()  # the lifespan's part: start each pool and hear its engine's cache layout
+        async with served.client() as c:
+            assert policy.index.block_size == 128
+            prompt = "The quarterly report says revenue grew in every region. " * 30
+            for max_tokens in (5, 300):
+                r = await c.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": max_tokens})
+                assert r.status_code == 200, r.text
+            for backend in backends.values():  # the first choice fails before its first token, and so does the retry
+                backend.error = BackendDown(f"pool {backend.name}: engines restarting")
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 50})
+            assert r.status_code == 503, r.text
+            for pool in served.gateway.pools.values():
+                assert (pool.backlog_tokens, pool.decode_tokens) == (0, 0), pool.name
+        await served.gateway.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        gc.unfreeze()  # start froze what was loaded (as `swiftkv serve` does)
+    assert policy.index.capacity_blocks == 16_384 // 16 * 16 // 128  # the default, rescaled; each pool has its own:
+    policy.index.record("prefill", policy.blocks(list(range(128 * 50))))
+    assert policy.index.blocks("prefill") == 40

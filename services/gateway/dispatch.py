@@ -79,14 +79,16 @@ class Dispatcher:
 
     async def tracked(self, pool: PoolState, model: str, request: GenerateRequest, t0: float, admitted: AdmittedRequest,
                       source: str = "live", blocks: Sequence[bytes] = ()) -> AsyncIterator[Output]:
-        """The backend's stream with the gateway's bookkeeping: metrics, backlog, estimates, limits, and the prompt's
-        blocks (`blocks`, cache-aware routing) entered in the prefix-cache index as the pool's now."""
+        """The backend's stream with the gateway's bookkeeping: metrics, the pool's work in flight (routing's load),
+        estimates, limits, and the prompt's blocks (`blocks`, cache-aware routing) entered in the prefix-cache index
+        as the pool's now."""
         prompt_tokens = len(request.prompt_token_ids)
         m = metrics.for_pool(pool.name, model, source)
         m.in_flight.inc()
         m.prompt_tokens.inc(prompt_tokens)
         self.note_prefix(pool, prompt_tokens, blocks)
-        pool.dispatched(prompt_tokens)
+        expected_output = admitted.expected_output * max(request.sampling.n, 1)
+        pool.dispatched(prompt_tokens, expected_output)
         live = source == "live"
         if live:  # batch work yields to live traffic on this pool until it has been quiet a while (services/batch)
             pool.live_started()
@@ -121,6 +123,7 @@ class Dispatcher:
                 pool.live_ended()
             if first_at is None:
                 pool.first_token(prompt_tokens, 0.0)
+            pool.ended(expected_output)
             m.in_flight.dec()
             m.requests[status].inc()
             m.generation_tokens.inc(generated)

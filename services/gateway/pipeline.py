@@ -50,7 +50,8 @@ class Gateway:
         # more work waits its turn (requests are bounded by limits.max_concurrent_requests).
         self.cpu = ThreadPoolExecutor(max_workers=4, thread_name_prefix="swiftkv-cpu")
         self.policy = RoutePolicy(cfg.routing)
-        self.lifecycle = PoolLifecycle(cfg, backends, on_ready, on_down=self.policy.forget)
+        self.lifecycle = PoolLifecycle(cfg, backends, on_ready, on_down=self.policy.forget,
+                                       on_cache=self.policy.adopt_engine_cache)
         self.pools = self.lifecycle.pools
         self.admission = Admission(cfg, self.pools, prompter, keys, self.off_loop)
         self.limiter = self.admission.limiter

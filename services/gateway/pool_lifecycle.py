@@ -23,10 +23,11 @@ class PoolLifecycle:
     """The pools' states (`pools`, shared with routing and dispatch) and what keeps them current."""
 
     def __init__(self, cfg: PlatformConfig, backends: dict[str, Backend], on_ready: Callable[[], None] | None = None,
-                 on_down: Callable[[str], None] | None = None):
+                 on_down: Callable[[str], None] | None = None, on_cache: Callable[[str, int, int], None] | None = None):
         self.cfg = cfg
         self.on_ready = on_ready
         self.on_down = on_down  # told the name of a pool found down (its engine comes back with an empty prefix cache)
+        self.on_cache = on_cache  # told a started pool's KV-cache block size and capacity in tokens, where it reports them
         self.pools = {
             name: PoolState(name, backend, cfg.served_name(name), max_model_len(cfg.pools[name].model, cfg.pools[name].engine_args))
             for name, backend in backends.items()
@@ -45,6 +46,9 @@ class PoolLifecycle:
         for pool in self.pools.values():
             try:
                 await pool.backend.start()
+                cache = pool.backend.prefix_cache()
+                if cache is not None and self.on_cache is not None:
+                    self.on_cache(pool.name, *cache)
                 self.set_ready(pool, True)
             except BackendDown as e:  # not up yet (e.g. a Ray Serve application still deploying): the watcher retries
                 log.warning("%s; the pool joins routing once its health check passes", e)

@@ -21,7 +21,8 @@ import threading
 from collections import OrderedDict
 from typing import Sequence
 
-BLOCK_SIZE = 16  # vLLM's CacheConfig.DEFAULT_BLOCK_SIZE (its CPU backend picks 128 for attention models)
+from services.config import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
+
 DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for cryptographic hashes when PYTHONHASHSEED is unset
 _PROTOCOL = pickle.HIGHEST_PROTOCOL  # vLLM's `sha256` pickles with it
 
@@ -50,8 +51,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE, parent:
 
 
 class PrefixIndex:
-    """Per target, an LRU of the block hashes dispatched there, at most `capacity_blocks` of them. Thread-safe: one
-    lock around dictionary updates; hashing happens outside it, once per request, for every target."""
+    """Per target, an LRU of the block hashes dispatched there, at most `capacity_blocks` of them (or the target's own
+    capacity, `set_capacity`). Thread-safe: one lock around dictionary updates; hashing happens outside it, once per
+    request, for every target."""
 
     def __init__(self, capacity_blocks: int, block_size: int = BLOCK_SIZE, seed: str | None = None):
         if capacity_blocks < 1 or block_size < 1:
@@ -60,7 +62,20 @@ class PrefixIndex:
         self.block_size = block_size
         self._none_hash = none_hash(seed)
         self._targets: dict[str, OrderedDict[bytes, None]] = {}
+        self._capacity: dict[str, int] = {}  # targets whose engine reported its KV-cache capacity
         self._lock = threading.Lock()
+
+    def set_capacity(self, target: str, blocks: int) -> None:
+        """`target`'s engine holds `blocks` blocks of KV cache (vLLM's num_gpu_blocks)."""
+        with self._lock:
+            self._capacity[target] = max(1, blocks)
+            self._trim(target)
+
+    def _trim(self, target: str) -> None:
+        lru = self._targets.get(target)
+        limit = self._capacity.get(target, self.capacity_blocks)
+        while lru and len(lru) > limit:
+            lru.popitem(last=False)
 
     def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
         return block_hashes(token_ids, self.block_size, self._none_hash)
@@ -76,8 +91,7 @@ class PrefixIndex:
             for h in reversed(hashes):
                 lru[h] = None
                 lru.move_to_end(h)
-            while len(lru) > self.capacity_blocks:
-                lru.popitem(last=False)
+            self._trim(target)
 
     def cached_tokens(self, target: str, hashes: Sequence[bytes]) -> int:
         """Tokens of the longest prefix of these blocks that `target` holds (a lookup; it refreshes nothing)."""

@@ -1,21 +1,22 @@
 """Route policy: which pool serves a request, and why.
 
-Prompt-heavy requests (prompt tokens / expected output tokens >= threshold) go to the `prefill` pool
-(the SwiftKV model, whose prefill is cheaper), the others to `decode`. The ratio is overridden when the
-chosen pool's backlog (prompt tokens waiting for prefill over its measured prefill rate) predicts a much
-longer wait than the other pool's, and when a pool is down the other one serves (fallback).
+Prompt-heavy requests (prompt tokens / expected output tokens >= threshold) go to the `prefill` pool (the SwiftKV
+model, whose prefill is cheaper), the others to `decode`: that is the intent. Two predictions may override it:
 
-With `routing.cache_aware`, the prefix cache counts too: a pool's predicted time to first token is its wait plus
-the prompt tokens it does not hold cached (services.gateway.prefix_index) over its prefill rate, so a conversation's
-next turn stays where its history is cached instead of prefilling it all again on the other pool. Only the cached
-tokens beyond `prefix_min_distinct_tokens` count (a system prompt everyone shares must not pin traffic), and a
-pool much more loaded than the other (`prefix_load_factor`) does not win on its cache.
+- Load (`routing.balance`): each pool's predicted work is what its requests in flight still need (prompt tokens not
+  yet prefilled, plus `decode_token_cost` per expected output token not yet ended) and this request's own. When the
+  intended pool's exceeds the other's by more than `balance_margin_tokens`, the other serves: at capacity both
+  engines stay busy (the intent alone left the base engine idle while the SwiftKV engine's queue grew), and at low
+  load the intent stands. A faster pool drains its work sooner and so takes more.
+- Prefix cache (`routing.cache_aware`): the prompt tokens a pool holds cached (services.gateway.prefix_index) cost it
+  no prefill, so a conversation's next turn stays where its history is cached unless the other pool's predicted work
+  is lower even with the cold prefill. Only the cached tokens beyond `prefix_min_distinct_tokens` count (a system
+  prompt everyone shares must not pin traffic), and a pool's load counts against its cache (no hotspot).
 
 Reasons (a small fixed set, used as a metric label and in the `x-swiftkv-route` header):
   ratio      the prompt/output ratio chose the pool
-  backlog    the ratio's pool was much more loaded; the other pool predicts a lower latency
-  prefix     the other pool holds more of the prompt in its prefix cache and predicts a lower latency
-             (`routing.cache_aware`)
+  backlog    the ratio's pool holds more predicted work than the other by more than the margin
+  prefix     the other pool holds more of the prompt in its prefix cache and predicts less work for it
   fallback   the ratio's pool is down
   pinned     the client asked for a pool's own model name
   single     only one pool is configured
@@ -30,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from services.config import RoutingConfig
+from services.config import DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_TOKENS, RoutingConfig
 from services.serving.backend import Backend
 
 from . import metrics
@@ -62,6 +63,7 @@ class PoolState:
     max_model_len: int | None = None
     ready: bool = False
     backlog_tokens: int = 0  # dispatched prompt tokens whose first token has not come back
+    decode_tokens: int = 0  # expected output tokens of the requests dispatched here that have not ended
     prefill_rate: Ewma = field(default_factory=lambda: Ewma(5000.0))  # tokens/s, from prompt tokens / TTFT
     live_in_flight: int = 0  # live requests from dispatch to the end of their response
     live_ended_at: float = -math.inf  # time.monotonic() when the last of them ended
@@ -94,9 +96,18 @@ class PoolState:
     def wait_seconds(self) -> float:
         return self.backlog_tokens / max(self.prefill_rate.value, 1.0)
 
-    def dispatched(self, prompt_tokens: int) -> None:
+    def dispatched(self, prompt_tokens: int, output_tokens: int = 0) -> None:
         self.backlog_tokens += prompt_tokens
+        self.decode_tokens += output_tokens
         metrics.pool_backlog.labels(self.name).set(self.backlog_tokens)
+
+    def ended(self, output_tokens: int) -> None:
+        """A request dispatched with `output_tokens` expected has ended (answered, failed or aborted)."""
+        self.decode_tokens -= output_tokens
+
+    def work(self, decode_token_cost: float) -> float:
+        """What the requests in flight here still need, in prompt tokens' prefill work."""
+        return self.backlog_tokens + decode_token_cost * self.decode_tokens
 
     def first_token(self, prompt_tokens: int, ttft: float) -> None:
         self.backlog_tokens -= prompt_tokens
@@ -127,8 +138,22 @@ class RoutePolicy:
         self.cfg = cfg
         # what each pool holds in its prefix cache: None unless routing is cache-aware
         if index is None and cfg.cache_aware:
-            index = PrefixIndex(cfg.prefix_cache_blocks, cfg.prefix_block_size)
+            block_size = cfg.prefix_block_size or DEFAULT_BLOCK_SIZE
+            index = PrefixIndex((cfg.prefix_cache_tokens or DEFAULT_PREFIX_CACHE_TOKENS) // block_size, block_size)
         self.index = index
+        self._capacities: dict[str, int] = {}  # tokens, as the pools' engines reported them
+
+    def adopt_engine_cache(self, pool: str, block_size: int, capacity_tokens: int) -> None:
+        """A pool's engine reported its prefix cache's block size and capacity: the index follows them unless the
+        config fixes them. Called as pools start, before traffic: a change of block size starts an empty index."""
+        if self.index is None:
+            return
+        if self.cfg.prefix_block_size is None and block_size != self.index.block_size:
+            self.index = PrefixIndex(self.index.capacity_blocks * self.index.block_size // block_size, block_size)
+        if self.cfg.prefix_cache_tokens is None:
+            self._capacities[pool] = capacity_tokens
+        for name, tokens in self._capacities.items():
+            self.index.set_capacity(name, tokens // self.index.block_size)
 
     def blocks(self, prompt_token_ids: Sequence[int]) -> tuple[bytes, ...]:
         """The prompt's block hashes when routing is cache-aware (else none: nothing to hash)."""
@@ -147,7 +172,8 @@ class RoutePolicy:
         return min(self.index.cached_tokens(pool, blocks), (prompt_tokens - 1) // bs * bs)
 
     def predicted_ttft(self, pool: PoolState, prompt_tokens: int, cached: int = 0) -> float:
-        """The wait in line plus this prompt's own prefill, less what the pool holds cached."""
+        """The wait in line plus this prompt's own prefill, less what the pool holds cached (seconds, at the pool's
+        measured prefill rate): set beside the measured TTFT in the metrics."""
         return pool.wait_seconds() + (prompt_tokens - cached) / pool.prefill_rate.value
 
     def decide(self, prompt_tokens: int, expected_output: int, pools: dict[str, PoolState], pinned: str | None = None,
@@ -172,19 +198,17 @@ class RoutePolicy:
                 raise NoPoolAvailable("no pool is available")
             return Decision(other, "fallback", ratio, blocks)
         if pools[other].ready:
-            wait, other_wait = pools[chosen].wait_seconds(), pools[other].wait_seconds()
-            # Predicted time to first token: the wait in line plus the prefill of what is not cached there. Cached
-            # tokens up to the distinctive minimum count for nothing: a prefix every request shares would otherwise
-            # pull all traffic to the pool that happens to hold it.
+            # Cached tokens up to the distinctive minimum count for nothing: a prefix every request shares would
+            # otherwise pull all traffic to the pool that happens to hold it.
             floor = self.cfg.prefix_min_distinct_tokens
             mine_cached = max(0, self.cached_tokens(chosen, prompt_tokens, blocks) - floor)
             theirs_cached = max(0, self.cached_tokens(other, prompt_tokens, blocks) - floor)
-            mine = self.predicted_ttft(pools[chosen], prompt_tokens, mine_cached)
-            theirs = self.predicted_ttft(pools[other], prompt_tokens, theirs_cached)
-            if theirs_cached > mine_cached and theirs < mine and not (
-                    other_wait >= self.cfg.backlog_min_seconds and other_wait > self.cfg.prefix_load_factor * wait):
+            own = prompt_tokens + self.cfg.decode_token_cost * expected_output
+            mine = pools[chosen].work(self.cfg.decode_token_cost) + own - mine_cached
+            theirs = pools[other].work(self.cfg.decode_token_cost) + own - theirs_cached
+            if theirs_cached > mine_cached and theirs < mine:
                 return Decision(other, "prefix", ratio, blocks)
-            if wait >= self.cfg.backlog_min_seconds and wait > self.cfg.backlog_factor * other_wait and theirs < mine:
+            if self.cfg.balance and mine - theirs > self.cfg.balance_margin_tokens:
                 return Decision(other, "backlog", ratio, blocks)
         return Decision(chosen, "ratio", ratio, blocks)
 

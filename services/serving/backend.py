@@ -108,6 +108,10 @@ class Backend(Protocol):
 
     async def health(self) -> bool: ...
 
+    def prefix_cache(self) -> tuple[int, int] | None:
+        """(block size, capacity in tokens) of the engine's KV cache once started, for the gateway's prefix-cache
+        index; None where the gateway cannot know it (remote servers, Ray replicas)."""
+
     async def recover(self) -> None:
         """Bring a backend whose health check fails back if it takes action (restart a dead engine, deploy
         again, reconnect); return when it may serve again, raise if it cannot yet."""

@@ -233,6 +233,12 @@ class VLLMEngine:
         """The engine is gone (its core process died or it was never built): only a restart helps."""
         return self.llm is None or self.llm.errored
 
+    def prefix_cache(self) -> tuple[int, int] | None:
+        if self.llm is None:
+            return None
+        cache = self.llm.vllm_config.cache_config
+        return cache.block_size, (cache.num_gpu_blocks or 0) * cache.block_size
+
     async def health(self) -> bool:
         if self.llm is None or not self.ready:
             return False

@@ -16,16 +16,18 @@ class FakeBackend:
     choice (logprobs when asked), `chunk` tokens per output, one output every `delay` s; or with what `script(request)`
     returns. `error`, when set, is raised instead of answering. `gate` (an asyncio.Event), when given, holds the requests
     that `hold(request)` picks (default: all) before their first token until it is set; a request cancelled before its
-    last output counts as aborted. `up` False: start, health and recover say the engines are down. It keeps every
+    last output counts as aborted. `up` False: start, health and recover say the engines are down. `cache` (block size,
+    capacity tokens) is what it reports of its KV cache, as an in-process engine does. It keeps every
     request it was sent (`requests`; none with `record` False, for a load test's millions) and counts `waiting` (at the
     gate), `served` (past the gate) and `aborted`."""
 
     def __init__(self, name: str = "decode", tokens: int | None = 1, delay: float = 0.0, text: str = "x", *, chunk: int = 1,
                  gate: asyncio.Event | None = None, hold: Callable[[GenerateRequest], bool] | None = None,
-                 script: Callable[[GenerateRequest], Iterable[Output]] | None = None, up: bool = True, record: bool = True):
+                 script: Callable[[GenerateRequest], Iterable[Output]] | None = None, up: bool = True, record: bool = True,
+                 cache: tuple[int, int] | None = None):
         self.name, self.tokens, self.delay, self.text, self.chunk = name, tokens, delay, text, chunk
         self.gate, self.hold, self.script, self.up = gate, hold or (lambda request: True), script, up
-        self.record = record
+        self.record, self.cache = record, cache
         self.error: Exception | None = None
         self.requests: list[GenerateRequest] = []
         self.waiting = self.served = self.aborted = 0
@@ -36,6 +38,9 @@ class FakeBackend:
 
     async def health(self) -> bool:
         return self.up
+
+    def prefix_cache(self) -> tuple[int, int] | None:
+        return self.cache
 
     async def recover(self) -> None:
         if not self.up:

@@ -123,6 +123,9 @@ class RayBackend:
             if not finished:
                 stream.cancel()
 
+    def prefix_cache(self) -> None:
+        return None  # not reported over HTTP: routing.prefix_block_size / prefix_cache_tokens, or their defaults
+
     async def health(self) -> bool:
         """RUNNING, and (unless the pool may scale to zero) a replica running: while Serve replaces a replica
         that died, requests sent to the pool only wait in the handle for as long as the new replica's engine

@@ -124,6 +124,9 @@ class RemoteBackend:
         counted[index] = counted.get(index, 0) + num_tokens
         return ChoiceDelta(index, c.get("text", ""), num_tokens, c.get("finish_reason"), logprobs)
 
+    def prefix_cache(self) -> None:
+        return None  # not reported over HTTP: routing.prefix_block_size / prefix_cache_tokens, or their defaults
+
     async def health(self) -> bool:
         try:
             r = await self.client.get(f"{self.base}/models", timeout=5.0)
