@@ -28,6 +28,8 @@ DEFAULT_CONFIG = """\
 # max_model_len 8192: SmolLM2's whole context (prompt-heavy traffic brings long documents). KV cache 1 GiB per
 # engine: 23,000 float32 tokens (46,000 in bf16), a dozen 2,000-token prompts at once; at 256 MiB an engine
 # held three and requests queued for KV space (BENCHMARKS.md, "KV-cache budget").
+# speculative ngram on both pools: lossless, 1.02-1.6x output tokens/s on both models on CPUs (BENCHMARKS.md,
+# "Speculative decoding"); where a pool cannot speculate (a SwiftKV model on a GPU) it is turned off at start.
 model: swiftkv-smollm2            # the public name; requests for it are routed between the pools
 host: 127.0.0.1
 port: 8000
@@ -40,10 +42,12 @@ pools:
     model: models/smollm2-135m-instruct-swiftkv
     engine_args: {max_model_len: 8192, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 1073741824, scheduling_policy: priority}
     replicas: {min: 1, max: 2, target_ongoing_requests: 8, max_ongoing_requests: 32}
+    speculative: {method: ngram, num_speculative_tokens: 4, prompt_lookup_min: 2, prompt_lookup_max: 4}
   decode:                         # base model: decode-heavy requests
     model: models/smollm2-135m-instruct
     engine_args: {max_model_len: 8192, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 1073741824, scheduling_policy: priority}
     replicas: {min: 1, max: 2, target_ongoing_requests: 8, max_ongoing_requests: 32}
+    speculative: {method: ngram, num_speculative_tokens: 4, prompt_lookup_min: 2, prompt_lookup_max: 4}
 """
 # The embedded engine settings, for tools that start engines like the default platform's (`swiftkv bench platform`).
 _DEFAULT_ENGINE_ARGS: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG)["pools"]["prefill"]["engine_args"]

@@ -377,6 +377,7 @@ def serve_command(
              "(backend: remote, url: ...), or keep one worker")
     if config is None:
         default_models(cfg, prepare=False)
+        default_speculation(cfg)
     if print_config:
         typer.echo(printable_config(cfg, config), nl=False)
         raise typer.Exit(0)
@@ -420,9 +421,27 @@ def demo_command(
 
     cfg = load_config(None, {"port": port})
     default_models(cfg, prepare=True)
+    default_speculation(cfg)
     settings = ServeSettings()
     log_level, log_format = _log_options(settings.log_level, settings.log_format)
     run_platform(cfg, engine, log_level, log_format=log_format, log_file=settings.log_file or None)
+
+
+def default_speculation(cfg) -> None:
+    """The embedded default speculates on every pool; a pool this machine cannot speculate on (a SwiftKV model on a
+    GPU) serves without it, with a warning, instead of the start being refused (as it is for a config file's)."""
+    local = [name for name, pool in cfg.pools.items() if pool.backend == "engine" and pool.speculative.enabled]
+    if not local:
+        return
+    from services.config import SpeculativeConfig
+    from swiftkv_core.hardware import vllm_on_cpu
+
+    on_cpu = vllm_on_cpu()
+    for name in local:
+        refusal = speculation_refusal(name, cfg.pools[name], on_cpu)
+        if refusal:
+            cfg.pools[name].speculative = SpeculativeConfig()
+            typer.secho(f"pool {name}: speculative decoding off on this machine ({refusal})", fg=typer.colors.YELLOW)
 
 
 def default_models(cfg, prepare: bool) -> None:

@@ -149,12 +149,34 @@ def test_print_config_prints_the_embedded_default_with_flags():
     assert r.exit_code == 0, r.output
     printed = yaml.safe_load(r.output)
     assert printed["port"] == 9123 and printed["host"] == "0.0.0.0"
-    assert {name: p["speculative"]["method"] for name, p in printed["pools"].items()} == {"prefill": "none", "decode": "none"}
+    # the embedded default speculates on both pools (on this CPU both can)
+    assert {name: p["speculative"]["method"] for name, p in printed["pools"].items()} == {"prefill": "ngram", "decode": "ngram"}
     expected = load_config(None, {"port": 9123, "host": "0.0.0.0"}).model_dump(mode="json")
     got = PlatformConfig.model_validate(printed).model_dump(mode="json")
     for dump in (expected, got):  # the prefill pool names the undistilled model where only that one is prepared
         dump["pools"]["prefill"].pop("model")
     assert got == expected
+
+
+def test_the_default_turns_speculation_off_only_where_a_pool_cannot_speculate(tiny_base, tiny_swiftkv, monkeypatch, capsys):
+    """On a GPU the embedded default's SwiftKV pool serves without speculation (with a warning) instead of refusing to
+    start; the base pool keeps it; on a CPU both keep it. A config file's settings are never changed: refused instead."""
+    import swiftkv_core.hardware as hardware
+    from services.platform import default_speculation
+
+    def default_on(on_cpu: bool) -> PlatformConfig:
+        cfg = load_config(None)
+        cfg.pools["prefill"].model, cfg.pools["decode"].model = str(tiny_swiftkv), str(tiny_base)
+        monkeypatch.setattr(hardware, "vllm_on_cpu", lambda: on_cpu)  # the machine's kind, not the code under test
+        default_speculation(cfg)
+        return cfg
+
+    cpu = default_on(True)
+    assert cpu.pools["prefill"].speculative.method == cpu.pools["decode"].speculative.method == "ngram"
+    gpu = default_on(False)
+    assert (gpu.pools["prefill"].speculative.method, gpu.pools["decode"].speculative.method) == ("none", "ngram")
+    assert "pool prefill: speculative decoding off on this machine (pools.prefill.speculative: pool prefill serves the SwiftKV model" \
+        in capsys.readouterr().out
 
 
 def test_print_config_of_a_file_reads_back_and_hides_secrets(tmp_path, monkeypatch):
