@@ -12,7 +12,9 @@ from swiftkv_core.cli import AsJson, fail, print_json, print_table
 
 
 def bench_platform_command(
-    workload: Annotated[str, typer.Option(help="rag (10:1) | chat (1:1) | gen (1:10) | mixed (70/20/10)")] = "rag",
+    workload: Annotated[str, typer.Option(help="rag (10:1) | chat (1:1) | gen (1:10) | mixed (70/20/10) | rag-shared (4 questions "
+                                          "per document, shuffled: shared prefixes) | chat-multiturn (6-turn conversations, "
+                                          "each turn sent after the previous answer, with the whole history)")] = "rag",
     rate: Annotated[list[float], typer.Option("--rate", help="Offered load, requests/s (Poisson); repeat for a sweep")] = [0.5],  # noqa: B006
     count: Annotated[int, typer.Option(help="Requests per rate, at most")] = 100,
     duration: Annotated[float, typer.Option(help="Arrivals per rate stop after this many seconds")] = 180.0,

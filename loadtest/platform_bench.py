@@ -19,11 +19,13 @@ in-process engines, same engine arguments and KV budget each), measured, and sto
              is refused there before anything starts
 
 The traffic (loadtest.workloads) is sent with the official openai client (async, streaming, usage in the
-last chunk, ignore_eos so every request generates its full max_tokens) at each rate of a sweep. Per config
-and rate: TTFT p50/p90/p99, TPOT p50/p99, inter-token latency, end-to-end latency, requests/s, prompt and
+last chunk, ignore_eos so every request generates its full max_tokens) at each rate of a sweep; a later turn
+of a chat-multiturn conversation once the previous turn's answer has arrived, with the conversation so far (the
+answers as they came). Per config and rate: TTFT p50/p90/p99, TPOT p50/p99, inter-token latency, end-to-end latency, requests/s, prompt and
 output tokens/s, goodput (requests/s meeting both SLOs), errors, the share of requests each pool served
 (from the `x-swiftkv-route` header), and per pool what its engines' speculative decoding drafted and accepted
-(vLLM's counters on the server's /metrics, read before and after each rate: loadtest.speculation). The CPU
+(vLLM's counters on the server's /metrics, read before and after each rate: loadtest.speculation), and for
+chat-multiturn the TTFT p50 of first and of later turns (a later turn finds its history in the prefix cache). The CPU
 model, its vector flags and the load average are recorded.
 
 With a target (`--target URL --target-model NAME`) no configuration is started: the same traffic goes to a
@@ -335,6 +337,7 @@ class Record:
     kind: str
     model: str
     sent_s: float = 0.0  # after the start of the run
+    turn: int = 0  # its request's (chat-multiturn)
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
@@ -344,6 +347,7 @@ class Record:
     route_reason: str | None = None
     finish_reason: str | None = None
     error: str | None = None
+    answer: str | None = field(default=None, repr=False)  # the text it got, kept for a conversation's next turn
 
     @property
     def tpot_s(self) -> float | None:
@@ -357,12 +361,15 @@ def parse_route(header: str | None) -> tuple[str | None, str | None]:
     return parts.get("pool"), parts.get("reason")
 
 
-async def one_request(client, req: Request, model: str, t0: float, timeout: float) -> Record:
-    rec = Record(req.index, req.kind, model, sent_s=time.perf_counter() - t0)
+async def one_request(client, req: Request, model: str, t0: float, timeout: float, history: list[dict] | None = None) -> Record:
+    """`req` sent to `model`; with `history` (the conversation before it), its messages follow it and the record keeps
+    the answer's text."""
+    rec = Record(req.index, req.kind, model, sent_s=time.perf_counter() - t0, turn=req.turn)
     start = time.perf_counter()
+    pieces: list[str] = []
     try:
         raw = await client.chat.completions.with_raw_response.create(
-            model=model, messages=req.messages(), max_tokens=req.max_tokens, temperature=0, stream=True,
+            model=model, messages=[*(history or []), *req.messages()], max_tokens=req.max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, timeout=timeout)
         rec.pool, rec.route_reason = parse_route(raw.headers.get("x-swiftkv-route"))
         stream = raw.parse()
@@ -372,6 +379,7 @@ async def one_request(client, req: Request, model: str, t0: float, timeout: floa
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices and (chunk.choices[0].delta.content or "") != "":
+                pieces.append(chunk.choices[0].delta.content)
                 if rec.ttft_s is None:
                     rec.ttft_s = now - start
                 else:
@@ -382,6 +390,8 @@ async def one_request(client, req: Request, model: str, t0: float, timeout: floa
             if chunk.usage is not None:
                 rec.prompt_tokens, rec.output_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
         rec.e2e_s = time.perf_counter() - start
+        if history is not None:
+            rec.answer = "".join(pieces)
         if rec.ttft_s is None:
             rec.error = "no content in the stream"
         elif rec.finish_reason is None:  # cut short: the server closed it without finishing the choice
@@ -393,9 +403,10 @@ async def one_request(client, req: Request, model: str, t0: float, timeout: floa
 
 async def drive(base: str, names: list[str], requests: list[Request], timeout: float, on_done: Callable[[Record], None],
                 api_key: str = "none") -> tuple[list[Record], float]:
-    """Send each request at its arrival time (not waiting for earlier ones); -> records and the run's span
-    (first send to last finish, as guidellm counts it: the first arrival comes a gap after the clock starts).
-    `on_done` gets each record as its request ends."""
+    """Send each request at its arrival time (not waiting for earlier ones), but a later turn of a conversation
+    (chat-multiturn) no sooner than its think time after the previous turn's answer has arrived; -> records, in the
+    order of `requests`, and the run's span (first send to last finish, as guidellm counts it: the first arrival comes
+    a gap after the clock starts). `on_done` gets each record as its request ends."""
     import httpx
     import openai
 
@@ -403,15 +414,37 @@ async def drive(base: str, names: list[str], requests: list[Request], timeout: f
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=timeout,
                                 http_client=httpx.AsyncClient(limits=limits, timeout=timeout))
     t0 = time.perf_counter()
+    records: list[Record | None] = [None] * len(requests)
 
-    async def at_arrival(req: Request) -> Record:
-        await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - t0)))
-        rec = await one_request(client, req, names[req.index % len(names)], t0, timeout)
-        on_done(rec)
-        return rec
+    async def send(i: int, not_before: float = 0.0, history: list[dict] | None = None) -> Record:
+        req = requests[i]
+        await asyncio.sleep(max(0.0, max(req.arrival_s, not_before) - (time.perf_counter() - t0)))
+        records[i] = await one_request(client, req, names[req.index % len(names)], t0, timeout, history)
+        on_done(records[i])
+        return records[i]
 
+    async def conversation(turns: list[int]) -> None:
+        # each turn's messages: the earlier ones with their answers as they came, so its prompt starts with what the
+        # engine cached for the previous turn
+        history: list[dict] = []
+        prev: Record | None = None
+        for i in turns:
+            req = requests[i]
+            if prev is not None and prev.error is not None:  # no answer to follow up on: the rest is not sent
+                records[i] = Record(req.index, req.kind, names[req.index % len(names)], turn=req.turn,
+                                    error=f"not sent: turn {prev.turn} of its conversation failed")
+                on_done(records[i])
+                continue
+            prev = await send(i, 0.0 if prev is None else prev.sent_s + prev.e2e_s + req.think_s, history)
+            history += [*req.messages(), {"role": "assistant", "content": prev.answer}]
+
+    chains: dict[int | None, list[int]] = {}
+    for i, r in enumerate(requests):
+        if r.turn:
+            chains.setdefault(r.group, []).append(i)
     try:
-        records = await asyncio.gather(*(at_arrival(r) for r in requests))
+        await asyncio.gather(*(send(i) for i, r in enumerate(requests) if not r.turn),
+                             *(conversation(sorted(c, key=lambda i: requests[i].turn)) for c in chains.values()))
     finally:
         await client.close()
     first_send = min((r.arrival_s for r in requests), default=0.0)
@@ -465,7 +498,7 @@ def figures(records: list[Record], span_s: float, rate: float, cfg: PlatformBenc
         reasons[r.route_reason or "unknown"] = reasons.get(r.route_reason or "unknown", 0) + 1
     span = max(span_s, 1e-9)
     req_s = len(ok) / span
-    return {
+    out = {
         "offered_rps": rate, "requests": len(records), "completed": len(ok), "errors": len(records) - len(ok),
         "error_samples": sorted({r.error for r in records if r.error})[:3], "span_s": round(span_s, 3),
         "ttft_p50_s": r4(pct(ttft, 50)), "ttft_p90_s": r4(pct(ttft, 90)), "ttft_p99_s": r4(pct(ttft, 99)),
@@ -481,6 +514,10 @@ def figures(records: list[Record], span_s: float, rate: float, cfg: PlatformBenc
         "route_reasons": dict(sorted(reasons.items())),
         "ttft_all_s": [round(x, 4) for x in sorted(ttft)],
     }
+    if any(r.turn for r in records):  # conversations: a later turn's history should be in the prefix cache
+        out["ttft_p50_first_turn_s"] = r4(pct([r.ttft_s for r in ok if r.turn == 1], 50))
+        out["ttft_p50_later_turns_s"] = r4(pct([r.ttft_s for r in ok if r.turn > 1], 50))
+    return out
 
 
 def sustained(records: list[Record]) -> bool:
@@ -582,6 +619,8 @@ def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[d
                     log(f"{name} @ {rate:g} req/s: TTFT p50 {per_rate[rate]['ttft_p50_s']} s p99 {per_rate[rate]['ttft_p99_s']} s, "
                         f"{per_rate[rate]['throughput_tok_s']} tok/s, goodput {per_rate[rate]['goodput_rps']} req/s, "
                         f"errors {per_rate[rate]['errors']}, pools {per_rate[rate]['pool_share']}"
+                        + (f", TTFT p50 first turns {per_rate[rate]['ttft_p50_first_turn_s']} s, later turns "
+                           f"{per_rate[rate]['ttft_p50_later_turns_s']} s" if "ttft_p50_first_turn_s" in per_rate[rate] else "")
                         + (", draft acceptance {}, mean accepted length {}".format(*spec.cells(per_rate[rate]["speculation"]))
                            if any(v["speculative"] for v in drafted.values()) else ""))
                     silent = [p for p in ("prefill", "decode") if not per_rate[rate]["speculation"].get(p, {}).get("speculative")]

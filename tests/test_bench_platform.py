@@ -21,7 +21,7 @@ from swiftkv_core import data as D
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loadtest.workloads import SHAPES, WorkloadError, fixed, generate, scaled, summary  # noqa: E402
+from loadtest.workloads import CHAT_MULTITURN, RAG_SHARED, SHAPES, WorkloadError, fixed, generate, scaled, summary  # noqa: E402
 
 needs_manpages = pytest.mark.skipif(not any(d.is_dir() for d in D.MAN_DIRS), reason="no man pages on this machine")
 
@@ -119,6 +119,146 @@ def test_bad_workloads_are_refused(tmp_path, tokenizer):
         generate("rag", text, tokenizer, 0.0, 10)
     with pytest.raises(WorkloadError, match="no source holds"):
         generate("rag", text, tokenizer, 1.0, 10)
+
+
+@needs_manpages
+def test_rag_shared_asks_each_document_several_questions(corpus, tokenizer):
+    """About count/4 documents, each asked the 4 questions, in a shuffled order: the requests about one document start
+    with it (a shared prefix) and arrive spread over the run."""
+    reqs = generate("rag-shared", corpus, tokenizer, rate=4.0, count=40, seed=3, scale=0.1)
+    assert len(reqs) == 40 and {r.kind for r in reqs} == {"rag-shared"} and [r.index for r in reqs] == list(range(40))
+    by_doc: dict[int, list] = {}
+    for r in reqs:
+        by_doc.setdefault(r.group, []).append(r)
+    assert sorted(by_doc) == list(range(10))
+    corpus_text = flat(" ".join(r["text"] for r in D.load_records(corpus)))
+    for doc, asked in by_doc.items():
+        assert len(asked) == 4 and {r.instruction for r in asked} == set(RAG_SHARED["questions"])
+        assert len({(r.document, r.document_tokens) for r in asked}) == 1, doc
+        assert all(r.messages()[0]["content"] == f"{asked[0].document}\n\n{r.instruction}" for r in asked)
+        assert 98 <= asked[0].document_tokens <= 210 and flat(asked[0].document) in corpus_text
+        assert all(10 <= r.max_tokens <= 20 for r in asked)
+    assert len({asked[0].document for asked in by_doc.values()}) == 10
+    # shuffled: one document's questions are spread out (4 of 40 positions at random span about 24 on average)
+    spans = [asked[-1].index - asked[0].index for asked in by_doc.values()]
+    assert sum(spans) / len(spans) > 12 and max(spans) > 20, spans
+    times = [r.arrival_s for r in reqs]
+    assert times == sorted(times) and abs(times[-1] / 40 - 0.25) < 0.1
+    # seeded; another rate: the same requests, arrivals scaled
+    assert reqs == generate("rag-shared", corpus, tokenizer, rate=4.0, count=40, seed=3, scale=0.1)
+    fast = generate("rag-shared", corpus, tokenizer, rate=8.0, count=40, seed=3, scale=0.1)
+    assert [(r.document, r.instruction, r.max_tokens) for r in fast] == [(r.document, r.instruction, r.max_tokens) for r in reqs]
+    assert all(abs(f.arrival_s * 2 - s.arrival_s) < 1e-4 for f, s in zip(fast, reqs))
+    assert [r.document for r in generate("rag-shared", corpus, tokenizer, 4.0, 40, seed=4, scale=0.1)] != [r.document for r in reqs]
+    # a count 4 does not divide: every document is still asked several questions
+    odd = generate("rag-shared", corpus, tokenizer, rate=4.0, count=10, seed=3, scale=0.1)
+    assert sorted(sum(r.group == d for r in odd) for d in {r.group for r in odd}) == [3, 3, 4]
+
+
+@needs_manpages
+def test_chat_multiturn_conversations_grow(corpus, tokenizer):
+    """count/6 conversations of 6 turns, interleaved: each turn a new user message of corpus text, its history (the
+    earlier messages and answers) growing turn by turn, to about 2,000 tokens at scale 1."""
+    reqs = generate("chat-multiturn", corpus, tokenizer, rate=2.0, count=24, seed=5, scale=0.1)
+    assert len(reqs) == 24 and {r.kind for r in reqs} == {"chat-multiturn"} and [r.index for r in reqs] == list(range(24))
+    assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
+    convs: dict[int, list] = {}
+    for r in reqs:
+        convs.setdefault(r.group, []).append(r)
+    assert sorted(convs) == [0, 1, 2, 3]
+    for turns in convs.values():
+        assert [r.turn for r in turns] == [1, 2, 3, 4, 5, 6] and all(r.think_s == pytest.approx(0.1) for r in turns)
+        assert turns[0].history_tokens == 0
+        for prev, r in zip(turns, turns[1:]):
+            assert r.history_tokens == prev.history_tokens + prev.document_tokens + prev.max_tokens
+            assert r.arrival_s > prev.arrival_s and r.document != prev.document
+        assert 13 <= turns[0].document_tokens <= 32 and all(8 <= r.document_tokens <= 27 for r in turns[1:])
+        assert all(10 <= r.max_tokens <= 20 for r in turns)
+        assert turns[0].messages() == [{"role": "user", "content": f"{turns[0].document}\n\n{CHAT_MULTITURN['instruction']}"}]
+    # interleaved: each conversation after the first starts before the one before it has ended
+    assert all(convs[c][0].arrival_s < convs[c - 1][-1].arrival_s for c in range(1, 4))
+    # the summary counts a turn's history in its prompt
+    assert summary(reqs)["kinds"]["chat-multiturn"]["mean_prompt_tokens"] == round(
+        sum(r.document_tokens + r.history_tokens for r in reqs) / 24, 1)
+    # seeded, rate-independent texts; a count 6 does not divide: the last conversation is shorter
+    assert reqs == generate("chat-multiturn", corpus, tokenizer, rate=2.0, count=24, seed=5, scale=0.1)
+    fast = generate("chat-multiturn", corpus, tokenizer, rate=4.0, count=24, seed=5, scale=0.1)
+    assert [(r.document, r.group, r.turn) for r in fast] == [(r.document, r.group, r.turn) for r in reqs]
+    assert all(abs(f.arrival_s * 2 - s.arrival_s) < 1e-4 for f, s in zip(fast, reqs))
+    short = generate("chat-multiturn", corpus, tokenizer, rate=2.0, count=8, seed=5, scale=0.1)
+    assert sorted((r.group, r.turn) for r in short) == [(0, t) for t in range(1, 7)] + [(1, 1), (1, 2)]
+    # full size: the last turn's prompt is about 2,000 tokens
+    full = generate("chat-multiturn", corpus, tokenizer, rate=1.0, count=30, seed=1)
+    last = [r.document_tokens + r.history_tokens for r in full if r.turn == 6]
+    assert len(last) == 5 and 1300 <= sum(last) / 5 <= 2400, last
+
+
+@needs_manpages
+def test_chat_multiturn_closed_loop_through_the_gateway(tiny_base, corpus, tokenizer, tmp_path):
+    """Driven through the real gateway over the fake backend: each later turn is sent only after the previous turn's
+    answer has arrived (and its think time), carrying the earlier answers as they came, so its prompt tokens begin
+    with the previous turn's prompt; a failed turn ends its conversation, the rest not sent."""
+    import asyncio
+    import re
+
+    from harness import served_gateway
+
+    from loadtest.platform_bench import PlatformBenchConfig, drive, figures
+    from services.serving.backend import BackendError, ChoiceDelta, Output
+
+    got: dict[str, object] = {}  # the answer the backend wrote -> the request it answered
+    fail_second_turns = False
+
+    def script(request):
+        answered = set(re.findall(r"Qz(\d+)_", tokenizer.decode(request.prompt_token_ids)))  # the earlier answers' tags
+        if fail_second_turns and len(answered) == 1:
+            raise BackendError("the engine failed")
+        pieces = [f" Qz{len(got)}_{i}" for i in range(request.sampling.max_tokens)]
+        got["".join(pieces)] = request
+        return [Output([ChoiceDelta(0, p, 1, "length" if i == len(pieces) - 1 else None)]) for i, p in enumerate(pieces)]
+
+    # 300 requests/s offered, answers of 5 tokens or more 20 ms apart: each turn is due before the previous answer is
+    # in, so the closed loop sets the pace
+    reqs = generate("chat-multiturn", corpus, tokenizer, rate=300.0, count=12, seed=2, scale=0.05)
+    with served_gateway(tiny_base, tmp_path, fake={"script": script, "delay": 0.02}, batch=False) as server:
+        done: list = []
+        records, span = asyncio.run(drive(server.base, ["m"], reqs, 60, done.append))
+        assert all(r.error is None for r in records), [r.error for r in records]
+        assert [(r.index, r.turn) for r in records] == [(q.index, q.turn) for q in reqs] and len(done) == 12
+        sent: dict[int, list] = {}
+        for q, rec in zip(reqs, records):
+            sent.setdefault(q.group, []).append((q, rec))
+        assert sorted(sent) == [0, 1] and all(len(turns) == 6 for turns in sent.values())
+        for turns in sent.values():
+            history: list[dict] = []
+            for k, (q, rec) in enumerate(turns):
+                request = got[rec.answer]  # the backend's request for this turn
+                if k:
+                    pq, prev = turns[k - 1]
+                    ended = prev.sent_s + prev.e2e_s
+                    assert rec.sent_s >= ended + q.think_s - 1e-3 and q.arrival_s < ended, (rec.sent_s, ended, q.arrival_s)
+                    # the whole conversation so far, the answers as they came: the previous prompt is its prefix
+                    before = got[prev.answer].prompt_token_ids
+                    assert request.prompt_token_ids[: len(before)] == before
+                    assert len(request.prompt_token_ids) > len(before) + prev.output_tokens
+                text = tokenizer.decode(request.prompt_token_ids)
+                at = 0
+                for m in [*history, *q.messages()]:
+                    at = text.index(m["content"], at) + len(m["content"])
+                history += [*q.messages(), {"role": "assistant", "content": rec.answer}]
+        # interleaved: the second conversation started before the first one ended
+        assert sent[1][0][1].sent_s < sent[0][-1][1].sent_s
+        f = figures(records, span, 300.0, PlatformBenchConfig())
+        assert f["completed"] == 12 and 0 < f["ttft_p50_first_turn_s"] and 0 < f["ttft_p50_later_turns_s"]
+
+        # every second turn fails: the first two turns of each conversation reach the backend, the rest are not sent
+        fail_second_turns, got = True, {}
+        n_before = sum(len(b.requests) for b in server.served.backends.values())
+        records, _ = asyncio.run(drive(server.base, ["m"], reqs, 60, lambda rec: None))
+        assert [r.turn for r in records if r.error is None] == [1, 1]
+        assert {r.error for r in records if r.turn > 2} == {"not sent: turn 2 of its conversation failed"}
+        assert sum(len(b.requests) for b in server.served.backends.values()) - n_before == 4
+    assert "ttft_p50_first_turn_s" not in figures(records[:0], 1.0, 1.0, PlatformBenchConfig())
 
 
 def swiftkv(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
