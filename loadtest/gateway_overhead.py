@@ -37,7 +37,7 @@ CANNED = {
     "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12},
 }
 SHORT = {"model": "bench", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 64}
-# ~100 prompt tokens and 8 output tokens: ratio >= 4, routed to the prefill pool (SHORT goes to decode)
+# ~100 prompt tokens and 8 output tokens: ratio >= 4, routed to the swiftkv pool (SHORT goes to base)
 LONG = {"model": "bench", "messages": [{"role": "user", "content": "Summarize: " + "The quick brown fox jumps over the lazy dog. " * 6}],
         "max_tokens": 8}
 # a 1,400-character prompt (~500 tokens with the tiny tokenizer): shows what token counting costs
@@ -64,7 +64,7 @@ def serve_gateway(port: int, tokenizer_dir: str) -> None:
 
     cfg = PlatformConfig.model_validate({
         "model": "bench", "port": port,
-        "pools": {p: {"model": tokenizer_dir, "engine_args": {"max_model_len": 4096}} for p in ("prefill", "decode")},
+        "pools": {p: {"model": tokenizer_dir, "engine_args": {"max_model_len": 4096}} for p in ("swiftkv", "base")},
         # limits on, generous: their bookkeeping is part of the measured path
         "limits": {"requests_per_minute": 10**9, "prompt_tokens_per_minute": 10**12, "output_tokens_per_minute": 10**12},
     })

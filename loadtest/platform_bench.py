@@ -4,7 +4,7 @@ obvious alternatives, one after the other on the same cores.
 Each configuration is started by this tool as its own `swiftkv serve --engine inprocess` process (two
 in-process engines, same engine arguments and KV budget each), measured, and stopped before the next:
 
-    routed   prefill pool = the SwiftKV model, decode pool = the base model; requests name the public
+    routed   swiftkv pool = the SwiftKV model, base pool = the base model; requests name the public
              model, and the prompt/output ratio alone picks the pool (routing.balance and cache_aware off)
     routed-cache
              the same pools with the platform's default routing: the ratio's intent, overridden by the pools'
@@ -181,12 +181,12 @@ def engine_args(cfg: PlatformBenchConfig) -> dict:
 
 
 def platform_config(name: str, cfg: PlatformBenchConfig, port: int) -> dict:
-    """The `swiftkv serve` YAML of one configuration (pools named prefill/decode in every one)."""
+    """The `swiftkv serve` YAML of one configuration (pools named swiftkv/base in every one, whatever model each serves)."""
     if name not in LAYOUTS:
         raise PlatformBenchError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
     layout, routing = LAYOUTS[name]
-    prefill, decode = {"routed": (cfg.swiftkv_model, cfg.base_model), "base": (cfg.base_model, cfg.base_model),
-                       "swiftkv": (cfg.swiftkv_model, cfg.swiftkv_model)}[layout]
+    swiftkv, base = {"routed": (cfg.swiftkv_model, cfg.base_model), "base": (cfg.base_model, cfg.base_model),
+                     "swiftkv": (cfg.swiftkv_model, cfg.swiftkv_model)}[layout]
     tokenizer = cfg.tokenizer or cfg.base_model
     speculative = cfg.speculative_block() if name in SPECULATING else None
 
@@ -194,13 +194,13 @@ def platform_config(name: str, cfg: PlatformBenchConfig, port: int) -> dict:
         spec = {} if speculative is None else {"speculative": dict(speculative)}
         return {"model": str(Path(model).resolve()), "tokenizer": str(Path(tokenizer).resolve()), "engine_args": engine_args(cfg), **spec}
 
-    return {"model": PUBLIC, "host": "127.0.0.1", "port": port, "pools": {"prefill": pool(prefill), "decode": pool(decode)},
+    return {"model": PUBLIC, "host": "127.0.0.1", "port": port, "pools": {"swiftkv": pool(swiftkv), "base": pool(base)},
             "limits": {"max_body_bytes": 4_000_000}, **({"routing": routing} if routing else {})}
 
 
 def model_names(name: str) -> list[str]:
     """What requests ask for, in turn: the public name (routed), or each pool's own name (round-robin)."""
-    return [PUBLIC] if LAYOUTS[name][0] == "routed" else [f"{PUBLIC}-prefill", f"{PUBLIC}-decode"]
+    return [PUBLIC] if LAYOUTS[name][0] == "routed" else [f"{PUBLIC}-swiftkv", f"{PUBLIC}-base"]
 
 
 def speculation_refusals(cfg: PlatformBenchConfig, on_cpu: bool) -> list[str]:
@@ -602,7 +602,7 @@ def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[d
                 server, names, warm = existing(cfg.target, cfg.target_model, cfg.api_key, 30), [cfg.target_model], [cfg.target_model]
             else:
                 server, names = serve(name, cfg, Path(tmp), log), model_names(name)
-                warm = [f"{PUBLIC}-prefill", f"{PUBLIC}-decode", *names]
+                warm = [f"{PUBLIC}-swiftkv", f"{PUBLIC}-base", *names]
             with server as base:
                 asyncio.run(warm_up(base, warm, workloads[rates[0]], cfg.warmup_requests, cfg.request_timeout_s, cfg.api_key))
                 for rate in rates:
@@ -623,7 +623,7 @@ def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[d
                            f"{per_rate[rate]['ttft_p50_later_turns_s']} s" if "ttft_p50_first_turn_s" in per_rate[rate] else "")
                         + (", draft acceptance {}, mean accepted length {}".format(*spec.cells(per_rate[rate]["speculation"]))
                            if any(v["speculative"] for v in drafted.values()) else ""))
-                    silent = [p for p in ("prefill", "decode") if not per_rate[rate]["speculation"].get(p, {}).get("speculative")]
+                    silent = [p for p in ("swiftkv", "base") if not per_rate[rate]["speculation"].get(p, {}).get("speculative")]
                     if name in SPECULATING and silent:  # its figures would read as "did not speculate"
                         log(f"{name} @ {rate:g} req/s: warning: /metrics shows no speculative decoding for pool(s) "
                             f"{', '.join(silent)}, though every pool of {name} speculates")

@@ -272,7 +272,7 @@ def platform(cfg: PlatformBenchConfig, opts: SoakOptions, work: Path, log: Calla
     else:
         with started(opts.config, cfg, work, log) as (base, proc):
             names = model_names(opts.config)
-            yield base, proc.pid, names, [f"{PUBLIC}-prefill", f"{PUBLIC}-decode", *names]
+            yield base, proc.pid, names, [f"{PUBLIC}-swiftkv", f"{PUBLIC}-base", *names]
 
 
 def run(cfg: PlatformBenchConfig, opts: SoakOptions, log: Callable[[str], None] = print) -> dict:

@@ -85,8 +85,8 @@ def speculation(before: str | None, after: str | None) -> dict[str, dict]:
 
 
 def cells(spec: dict[str, dict]) -> tuple[str, str]:
-    """(acceptance rate, mean accepted length) per pool for a table, e.g. ('prefill=0.62 decode=-', 'prefill=2.41
-    decode=-'): '-' for a pool that does not speculate or drafted nothing; '-' alone when no pool was read."""
+    """(acceptance rate, mean accepted length) per pool for a table, e.g. ('swiftkv=0.62 base=-', 'swiftkv=2.41
+    base=-'): '-' for a pool that does not speculate or drafted nothing; '-' alone when no pool was read."""
     def cell(key: str) -> str:
         return " ".join(f"{pool}={'-' if s[key] is None else f'{s[key]:.2f}'}" for pool, s in spec.items()) or "-"
 

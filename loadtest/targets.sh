@@ -16,10 +16,10 @@ model: swiftkv-smollm2
 host: 127.0.0.1
 port: $PORT_SWIFTKV
 pools:
-  prefill:
+  swiftkv:
     model: models/smollm2-135m-instruct-swiftkv
     engine_args: {max_model_len: 2048, dtype: $DTYPE, enforce_eager: true, kv_cache_memory_bytes: 268435456}
-  decode:
+  base:
     model: models/smollm2-135m-instruct
     engine_args: {max_model_len: 2048, dtype: $DTYPE, enforce_eager: true, kv_cache_memory_bytes: 268435456}
 EOF
@@ -28,8 +28,8 @@ PID=$!
 trap 'kill $PID 2>/dev/null || true' EXIT
 wait_ready "http://127.0.0.1:$PORT_SWIFTKV/ready" $PID "$WORK/serve.log"
 bench swiftkv-routed "http://127.0.0.1:$PORT_SWIFTKV" swiftkv-smollm2
-bench swiftkv-prefill-pool "http://127.0.0.1:$PORT_SWIFTKV" swiftkv-smollm2-prefill
-bench swiftkv-decode-pool "http://127.0.0.1:$PORT_SWIFTKV" swiftkv-smollm2-decode
+bench swiftkv-pool-swiftkv "http://127.0.0.1:$PORT_SWIFTKV" swiftkv-smollm2-swiftkv
+bench swiftkv-pool-base "http://127.0.0.1:$PORT_SWIFTKV" swiftkv-smollm2-base
 kill $PID; wait $PID 2>/dev/null || true
 
 $PY -m vllm.entrypoints.openai.api_server --model models/smollm2-135m-instruct --served-model-name base --host 127.0.0.1 \

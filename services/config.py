@@ -1,7 +1,7 @@
 """The platform's one configuration: pools of engines plus gateway settings, from YAML.
 
-A pool is a set of identical engine replicas serving one model: `prefill` (the SwiftKV model, for
-prompt-heavy requests) and `decode` (the base model). Each pool says where its engines run
+A pool is a set of identical engine replicas serving one model: `swiftkv` (the SwiftKV model, for
+prompt-heavy requests) and `base` (the base model). Each pool says where its engines run
 (`inprocess`, `ray`, or a `remote` OpenAI-compatible URL), the model, vLLM engine arguments and
 replica/autoscaling settings. With no file, the embedded DEFAULT_CONFIG serves SmolLM2 on
 127.0.0.1:8000.
@@ -16,6 +16,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from swiftkv_core.hardware import check_cpu_cores
+
+# The two pools, named by the model each serves: the SwiftKV model (cheap prefill, for prompt-heavy requests) and
+# its base model. Not disaggregated prefill/decode with KV transfer, which is what those names mean elsewhere
+# (llm-d, Dynamo): configs with the pools' former names are refused with the new ones.
+POOL_NAMES = ("swiftkv", "base")
+RENAMED_POOLS = {"prefill": "swiftkv", "decode": "base"}
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's CacheConfig default block size (GPUs); its CPU backend picks 128
 DEFAULT_PREFIX_CACHE_TOKENS = 16_384
@@ -34,23 +40,23 @@ model: swiftkv-smollm2            # the public name; requests for it are routed 
 host: 127.0.0.1
 port: 8000
 routing:
-  ratio_threshold: 4.0            # prompt/expected-output tokens >= this -> prefill pool, unless...
+  ratio_threshold: 4.0            # prompt/expected-output tokens >= this -> swiftkv pool, unless...
   balance: true                   # ...it holds more predicted work than the other pool (both engines stay busy)
   cache_aware: true               # ...or the other pool holds more of the prompt in its prefix cache
 pools:
-  prefill:                        # SwiftKV model: cheap prefill for prompt-heavy requests
+  swiftkv:                        # SwiftKV model: cheap prefill for prompt-heavy requests
     model: models/smollm2-135m-instruct-swiftkv
     engine_args: {max_model_len: 8192, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 1073741824, scheduling_policy: priority}
     replicas: {min: 1, max: 2, target_ongoing_requests: 8, max_ongoing_requests: 32}
     speculative: {method: ngram, num_speculative_tokens: 4, prompt_lookup_min: 2, prompt_lookup_max: 4}
-  decode:                         # base model: decode-heavy requests
+  base:                           # base model: decode-heavy requests
     model: models/smollm2-135m-instruct
     engine_args: {max_model_len: 8192, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 1073741824, scheduling_policy: priority}
     replicas: {min: 1, max: 2, target_ongoing_requests: 8, max_ongoing_requests: 32}
     speculative: {method: ngram, num_speculative_tokens: 4, prompt_lookup_min: 2, prompt_lookup_max: 4}
 """
 # The embedded engine settings, for tools that start engines like the default platform's (`swiftkv bench platform`).
-_DEFAULT_ENGINE_ARGS: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG)["pools"]["prefill"]["engine_args"]
+_DEFAULT_ENGINE_ARGS: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG)["pools"]["swiftkv"]["engine_args"]
 DEFAULT_MAX_MODEL_LEN: int = _DEFAULT_ENGINE_ARGS["max_model_len"]
 DEFAULT_KV_CACHE_BYTES: int = _DEFAULT_ENGINE_ARGS["kv_cache_memory_bytes"]
 
@@ -125,7 +131,9 @@ class PoolConfig(StrictModel):
     served_model_name: str | None = Field(None, description="name clients use to bypass routing; default '<public>-<pool>'")
     tokenizer: str | None = Field(None, description="tokenizer folder or hub id; default: the model")
     backend: Literal["engine", "remote"] = "engine"  # engine: inprocess or ray (chosen by --engine)
-    url: str | None = Field(None, description="base URL of a remote OpenAI-compatible server (backend: remote)")
+    url: str | list[str] | None = Field(None, description="base URL of a remote OpenAI-compatible server (backend: remote); a "
+                                        "list: several servers of the model, each request sent to the one its prompt's "
+                                        "prefix and the servers' load choose (services/serving/replicas.py)")
     api_key: str | None = Field(None, description="bearer key for the remote server")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="vLLM AsyncEngineArgs fields")
     replicas: Replicas = Field(default_factory=Replicas)
@@ -153,8 +161,10 @@ class PoolConfig(StrictModel):
 
     @model_validator(mode="after")
     def _remote_needs_url(self) -> "PoolConfig":
-        if self.backend == "remote" and not self.url:
+        if self.backend == "remote" and not self.urls:
             raise ValueError("a remote pool needs `url`")
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError("`url` lists a server twice")
         if self.backend == "remote" and self.ray_app:
             raise ValueError("`ray_app` is for engine pools on Ray; a remote pool is reached at its `url`")
         if self.backend == "remote" and self.speculative.enabled:
@@ -165,6 +175,11 @@ class PoolConfig(StrictModel):
                              "keep one")
         self.cpu_cores = check_cpu_cores(self.cpu_cores, self.engine_workers)
         return self
+
+    @property
+    def urls(self) -> list[str]:
+        """The remote servers of this pool (none for an engine pool)."""
+        return [self.url] if isinstance(self.url, str) else list(self.url or [])
 
     def vllm_engine_args(self) -> dict[str, Any]:
         """The AsyncEngineArgs fields an engine of this pool starts with: engine_args plus `speculative`."""
@@ -186,7 +201,7 @@ class RoutingConfig(StrictModel):
     """How the gateway picks a pool: the prompt/output ratio states the intent; the pools' predicted work (load
     balance) and what each holds in its prefix cache (cache-aware) may override it (services/gateway/routing.py)."""
 
-    ratio_threshold: float = Field(4.0, gt=0, description="prompt/output >= threshold -> prefill pool")
+    ratio_threshold: float = Field(4.0, gt=0, description="prompt/output >= threshold -> swiftkv pool")
     default_output_estimate: int = Field(256, ge=1, description="expected output before any request without max_tokens has finished")
     balance: bool = Field(True, description="send a request to the other pool when the ratio's pool holds more predicted work "
                           "(prompt tokens not yet prefilled + decode_token_cost * expected output tokens of the requests in "
@@ -347,9 +362,13 @@ class PlatformConfig(StrictModel):
     def _pools(self) -> "PlatformConfig":
         if not self.pools:
             raise ValueError("at least one pool is needed")
-        unknown = set(self.pools) - {"prefill", "decode"}
+        renamed = [name for name in self.pools if name in RENAMED_POOLS]
+        if renamed:
+            raise ValueError(f"pools.{renamed[0]}: the pools are named swiftkv (the SwiftKV model) and base (the base "
+                             "model); rename prefill -> swiftkv and decode -> base")
+        unknown = set(self.pools) - set(POOL_NAMES)
         if unknown:
-            raise ValueError(f"pool names must be 'prefill' and/or 'decode', got {sorted(unknown)}")
+            raise ValueError(f"pool names must be 'swiftkv' and/or 'base', got {sorted(unknown)}")
         for name, pool in self.pools.items():
             if pool.ray_app and not self.ray_address:
                 raise ValueError(f"pools.{name}.ray_app attaches to an application on a running Ray cluster: set ray_address")

@@ -160,7 +160,7 @@ def _serve(cfg, engine: str, keys_file: str | None, batch, ray_metrics_port: int
 
     keys = _keys(keys_file)
     # Pools share one tokenizer (a SwiftKV model keeps its base model's); the base model's loads plainly.
-    pool = cfg.pools.get("decode") or next(iter(cfg.pools.values()))
+    pool = cfg.pools.get("base") or next(iter(cfg.pools.values()))
     prompter = Prompter(pool.tokenizer or pool.model)
     backends = build_backends(cfg, engine)
     extra_metrics = None
@@ -446,25 +446,25 @@ def default_speculation(cfg) -> None:
 
 def default_models(cfg, prepare: bool) -> None:
     """The embedded default's models: prepared when asked. Until a distilled SwiftKV model can be prepared,
-    the prefill pool serves an undistilled conversion of the base model (half the layers take their KV
+    the swiftkv pool serves an undistilled conversion of the base model (half the layers take their KV
     from the middle layer), as `swiftkv convert` writes it."""
-    decode, prefill = cfg.pools["decode"], cfg.pools["prefill"]
-    if prepare and not Path(decode.model).exists():
-        _prepare(Path(decode.model).name)
-    if Path(prefill.model).exists():
+    base, swiftkv = cfg.pools["base"], cfg.pools["swiftkv"]
+    if prepare and not Path(base.model).exists():
+        _prepare(Path(base.model).name)
+    if Path(swiftkv.model).exists():
         return
     if prepare:
         try:
-            if _prepare(Path(prefill.model).name) is not None:
+            if _prepare(Path(swiftkv.model).name) is not None:
                 return
         except Exception as e:  # e.g. the distilled tensors are not shipped yet
-            typer.secho(f"pool prefill: cannot prepare {Path(prefill.model).name}: {e}", fg=typer.colors.YELLOW)
-    undistilled = Path(prefill.model).parent / (Path(prefill.model).name + "-undistilled")
+            typer.secho(f"pool swiftkv: cannot prepare {Path(swiftkv.model).name}: {e}", fg=typer.colors.YELLOW)
+    undistilled = Path(swiftkv.model).parent / (Path(swiftkv.model).name + "-undistilled")
     if prepare and not (undistilled / "config.json").exists():
-        _convert_undistilled(Path(decode.model), undistilled)
+        _convert_undistilled(Path(base.model), undistilled)
     if (undistilled / "config.json").exists():
-        prefill.model = str(undistilled)
-        typer.secho(f"pool prefill: no distilled SwiftKV model yet; serving the undistilled {undistilled}", fg=typer.colors.YELLOW)
+        swiftkv.model = str(undistilled)
+        typer.secho(f"pool swiftkv: no distilled SwiftKV model yet; serving the undistilled {undistilled}", fg=typer.colors.YELLOW)
 
 
 def _prepare(model_name: str) -> Path | None:

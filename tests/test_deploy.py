@@ -115,7 +115,7 @@ def test_platform_config_is_what_swiftkv_serve_reads(values, tmp_path):
     path = tmp_path / "platform.yaml"
     path.write_text(cm["data"]["platform.yaml"])
     cfg = load_config(path)
-    assert cfg.host == "0.0.0.0" and set(cfg.pools) == {"prefill", "decode"}
+    assert cfg.host == "0.0.0.0" and set(cfg.pools) == {"swiftkv", "base"}
 
 
 def test_modes_render_their_engines():
@@ -140,7 +140,7 @@ def test_modes_render_their_engines():
     assert len(servers) == 2 and all(d["spec"]["template"]["spec"]["containers"][0]["command"] == ["vllm", "serve"] for d in servers)
     cfg = yaml.safe_load(find(plain, "ConfigMap", "platform")[0]["data"]["platform.yaml"])
     assert {p["backend"] for p in cfg["pools"].values()} == {"remote"}
-    assert cfg["pools"]["prefill"]["url"] == "http://swiftkv-engine-prefill:8000/v1"
+    assert cfg["pools"]["swiftkv"]["url"] == "http://swiftkv-engine-swiftkv:8000/v1"
 
     small = render(ROOT / "deploy/helm/presets/cpu-small.yaml")
     assert not find(small, "RayService") and not find(small, "HorizontalPodAutoscaler")
@@ -171,6 +171,7 @@ def test_every_pod_runs_as_non_root():
     (["--set", "engines.mode=ray"], "engines.mode must be one of"),
     (["--set", "gateway.replcas=3"], "replcas"),
     (["--set", "platform.pools.extra.model=x"], "platform.pools"),
+    (["--set", "platform.pools.prefill.model=x"], 'platform.pools must be one of the following: "swiftkv", "base"'),  # a former name
     (["--set", "alerts.ttftP95Seconds=0"], "alerts.ttftP95Seconds"),
     (["--set", "trainer.enabled=yes"], "trainer.enabled"),
     (["--set", "trainer.replicas=2"], "replicas"),  # one trainer: its worker loop owns the jobs
@@ -311,10 +312,10 @@ def test_serve_config_builds_the_ray_serve_applications(monkeypatch):
     serve_config = yaml.safe_load(find(objs, "RayService")[0]["spec"]["serveConfigV2"])
     schema = ServeDeploySchema.model_validate(serve_config)  # what Ray Serve checks before it deploys it
     assert str(schema.proxy_location.value) == "Disabled" and all(a.route_prefix is None for a in schema.applications)
-    assert [a["name"] for a in serve_config["applications"]] == ["swiftkv-decode", "swiftkv-prefill"]
+    assert [a["name"] for a in serve_config["applications"]] == ["swiftkv-base", "swiftkv-swiftkv"]
     # the gateway attaches to those applications by name (each pool's ray_app), on the RayService's head
     gateway_cfg = yaml.safe_load(find(objs, "ConfigMap", "platform")[0]["data"]["platform.yaml"])
-    assert {p: c["ray_app"] for p, c in gateway_cfg["pools"].items()} == {"decode": "swiftkv-decode", "prefill": "swiftkv-prefill"}
+    assert {p: c["ray_app"] for p, c in gateway_cfg["pools"].items()} == {"base": "swiftkv-base", "swiftkv": "swiftkv-swiftkv"}
     assert all("ray_app" not in a["args"]["config"] for a in serve_config["applications"])
     # ... as a node of that cluster: Ray Client (ray://) cannot stream from deployment handles
     head = f"{find(objs, 'RayService')[0]['metadata']['name']}-head-svc:6379"
@@ -347,22 +348,22 @@ def test_promtool_fires_each_alert(tmp_path):
     rules = rules_file(tmp_path, "--set", "alerts.batchBacklog.enabled=true")
     ttft = 'swiftkv_time_to_first_token_seconds_bucket{pool="%s",model="m",source="live",le="%s"}'
     series = [
-        # prefill: every live request takes 2-5 s to its first token; decode: all under 1 s
-        {"series": ttft % ("prefill", "1"), "values": "0+0x40"},
-        {"series": ttft % ("prefill", "2"), "values": "0+0x40"},
-        {"series": ttft % ("prefill", "5"), "values": "0+10x40"},
-        {"series": ttft % ("prefill", "+Inf"), "values": "0+10x40"},
-        {"series": ttft % ("decode", "1"), "values": "0+10x40"},
-        {"series": ttft % ("decode", "2"), "values": "0+10x40"},
-        {"series": ttft % ("decode", "5"), "values": "0+10x40"},
-        {"series": ttft % ("decode", "+Inf"), "values": "0+10x40"},
-        # prefill: 3 of 10 requests fail; decode: none
-        {"series": 'swiftkv_requests_total{pool="prefill",model="m",source="live",status="error"}', "values": "0+3x40"},
-        {"series": 'swiftkv_requests_total{pool="prefill",model="m",source="live",status="ok"}', "values": "0+7x40"},
-        {"series": 'swiftkv_requests_total{pool="decode",model="m",source="live",status="ok"}', "values": "0+10x40"},
-        # decode is down from the start; prefill is ready
-        {"series": 'swiftkv_pool_ready{pool="decode"}', "values": "0x40"},
-        {"series": 'swiftkv_pool_ready{pool="prefill"}', "values": "1x40"},
+        # swiftkv: every live request takes 2-5 s to its first token; base: all under 1 s
+        {"series": ttft % ("swiftkv", "1"), "values": "0+0x40"},
+        {"series": ttft % ("swiftkv", "2"), "values": "0+0x40"},
+        {"series": ttft % ("swiftkv", "5"), "values": "0+10x40"},
+        {"series": ttft % ("swiftkv", "+Inf"), "values": "0+10x40"},
+        {"series": ttft % ("base", "1"), "values": "0+10x40"},
+        {"series": ttft % ("base", "2"), "values": "0+10x40"},
+        {"series": ttft % ("base", "5"), "values": "0+10x40"},
+        {"series": ttft % ("base", "+Inf"), "values": "0+10x40"},
+        # swiftkv: 3 of 10 requests fail; base: none
+        {"series": 'swiftkv_requests_total{pool="swiftkv",model="m",source="live",status="error"}', "values": "0+3x40"},
+        {"series": 'swiftkv_requests_total{pool="swiftkv",model="m",source="live",status="ok"}', "values": "0+7x40"},
+        {"series": 'swiftkv_requests_total{pool="base",model="m",source="live",status="ok"}', "values": "0+10x40"},
+        # base is down from the start; swiftkv is ready
+        {"series": 'swiftkv_pool_ready{pool="base"}', "values": "0x40"},
+        {"series": 'swiftkv_pool_ready{pool="swiftkv"}', "values": "1x40"},
         {"series": "swiftkv_batch_oldest_pending_age_seconds", "values": "3000+60x40"},
     ]
     tests = {"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": [{
@@ -371,19 +372,19 @@ def test_promtool_fires_each_alert(tmp_path):
         "alert_rule_test": [
             {"eval_time": "5m", "alertname": "SwiftKVTimeToFirstTokenAboveSLO", "exp_alerts": []},  # not for 10m yet
             {"eval_time": "20m", "alertname": "SwiftKVTimeToFirstTokenAboveSLO", "exp_alerts": [{
-                "exp_labels": {"severity": "warning", "pool": "prefill"},
+                "exp_labels": {"severity": "warning", "pool": "swiftkv"},
                 "exp_annotations": {
-                    "summary": "TTFT p95 of pool prefill is 4.85s, above the 2s SLO",
-                    "description": "Live requests routed to pool prefill wait too long for their first token: add engine replicas or GPUs, or check the pool's backlog (swiftkv_pool_backlog_tokens)."}}]},
+                    "summary": "TTFT p95 of pool swiftkv is 4.85s, above the 2s SLO",
+                    "description": "Live requests routed to pool swiftkv wait too long for their first token: add engine replicas or GPUs, or check the pool's backlog (swiftkv_pool_backlog_tokens)."}}]},
             {"eval_time": "20m", "alertname": "SwiftKVErrorRateHigh", "exp_alerts": [{
-                "exp_labels": {"severity": "critical", "pool": "prefill"},
-                "exp_annotations": {"summary": "30% of requests to pool prefill fail",
-                                    "description": "Requests that reached pool prefill end in an engine error; see the gateway and engine logs."}}]},
+                "exp_labels": {"severity": "critical", "pool": "swiftkv"},
+                "exp_annotations": {"summary": "30% of requests to pool swiftkv fail",
+                                    "description": "Requests that reached pool swiftkv end in an engine error; see the gateway and engine logs."}}]},
             {"eval_time": "3m", "alertname": "SwiftKVPoolNotReady", "exp_alerts": []},
             {"eval_time": "10m", "alertname": "SwiftKVPoolNotReady", "exp_alerts": [{
-                "exp_labels": {"severity": "critical", "pool": "decode"},
-                "exp_annotations": {"summary": "Pool decode is not ready",
-                                    "description": "A gateway sees pool decode down or not warmed up for 5 minutes; its traffic falls back to the other pool (route reason fallback)."}}]},
+                "exp_labels": {"severity": "critical", "pool": "base"},
+                "exp_annotations": {"summary": "Pool base is not ready",
+                                    "description": "A gateway sees pool base down or not warmed up for 5 minutes; its traffic falls back to the other pool (route reason fallback)."}}]},
             {"eval_time": "5m", "alertname": "SwiftKVBatchBacklogOld", "exp_alerts": []},
             {"eval_time": "20m", "alertname": "SwiftKVBatchBacklogOld", "exp_alerts": [{
                 "exp_labels": {"severity": "warning"},

@@ -66,7 +66,7 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(platform,
         client = platform.client(KEY)
         started = time.time()
         long_prompt = "Summarize the following notes about the river and the town. " * 12
-        for i in range(4):  # prompt-heavy -> prefill, output-heavy -> decode, streamed and not
+        for i in range(4):  # prompt-heavy -> swiftkv, output-heavy -> base, streamed and not
             if i == 1:  # each series scraped once before it grows: a series born at its final count has no rate()
                 time.sleep(2.5)
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long_prompt}], max_tokens=4)

@@ -70,7 +70,7 @@ def redis_server(tmp_path_factory):
 def edge(tiny_base, redis_server, tmp_path_factory):
     """The gateway with the edge's bounds over one pool whose fake engine answers max_tokens tokens (as with
     ignore_eos), one every millisecond; its limits in the module's Redis."""
-    with served_gateway(tiny_base, tmp_path_factory.mktemp("edge"), pools=("decode",), max_model_len=4096,
+    with served_gateway(tiny_base, tmp_path_factory.mktemp("edge"), pools=("base",), max_model_len=4096,
                         fake={"tokens": None, "delay": 0.001}, batch=False,
                         keys=(KEY, f"{SHARED_KEY} requests_per_minute=20", f"{BUSY_KEY} requests_per_minute=100000"),
                         model=PUBLIC, limits=LIMITS, redis_url=redis_server.url) as server:
@@ -239,7 +239,7 @@ def test_concurrency_cap_answers_503_with_retry_after(client, edge_server):
 
 def test_a_client_that_stops_reading_is_disconnected_and_its_engine_request_aborted(edge, edge_server):
     port = int(edge_server.rsplit(":", 1)[1])
-    engine = edge.served.backends["decode"]
+    engine = edge.served.backends["base"]
     aborted_before = engine.aborted
     before = scrape(edge_server)
     body = json.dumps({"model": PUBLIC, "messages": HI, "max_tokens": 3500, "ignore_eos": True, "stream": True, "n": 3,
@@ -280,8 +280,8 @@ def front_gateway(tmp_path, name: str, tiny_base, backend: str, redis_url: str):
     work.mkdir()
     (work / "keys").write_text(f"{SHARED_KEY} requests_per_minute=20\n{KEY}\n")
     config = {"model": "front", "data_dir": str(work / "data"), "redis_url": redis_url, "health": {"period_seconds": 30.0},
-              "pools": {"decode": {"backend": "remote", "url": f"{backend}/v1", "api_key": KEY,
-                                   "served_model_name": f"{PUBLIC}-decode", "model": str(tiny_base)}}}
+              "pools": {"base": {"backend": "remote", "url": f"{backend}/v1", "api_key": KEY,
+                                 "served_model_name": f"{PUBLIC}-base", "model": str(tiny_base)}}}
     return swiftkv_serve(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys")).start().wait(timeout=120)
 
 

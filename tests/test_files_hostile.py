@@ -27,9 +27,9 @@ CAP = 100_000  # batch.max_file_bytes in these tests
 
 def build(tiny_base, data_dir, database_url: str, **batch) -> InProcessGateway:
     """The gateway app with the Batch API over one pool whose fake engine answers at once; keys A and B."""
-    cfg = platform_config(tiny_base, pools=("prefill",), max_model_len=64, data_dir=str(data_dir), database_url=database_url,
+    cfg = platform_config(tiny_base, pools=("swiftkv",), max_model_len=64, data_dir=str(data_dir), database_url=database_url,
                           batch={"poll_seconds": 0.05, "max_file_bytes": CAP, **batch})
-    return InProcessGateway(cfg, {"prefill": FakeBackend("prefill")}, keys=(KEY_A, KEY_B))
+    return InProcessGateway(cfg, {"swiftkv": FakeBackend("swiftkv")}, keys=(KEY_A, KEY_B))
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def gateway(tiny_base, tmp_path_factory):
     work = tmp_path_factory.mktemp("serve-fuzz")
     args = {"max_model_len": 256, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 32 << 20, "max_logprobs": 5}
     config = {"model": PUBLIC, "data_dir": str(work / "data"),
-              "pools": {"decode": {"model": str(tiny_base), "engine_args": args}},
+              "pools": {"base": {"model": str(tiny_base), "engine_args": args}},
               "limits": {"max_n": 2, "body_timeout_seconds": 5.0}}
     (work / "keys").write_text(f"{KEY}\n")
     with swiftkv_serve(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys")) as server:
@@ -164,7 +164,7 @@ def test_gateway_schema_fuzzing(gateway):
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/v1/files", "/v1/batches"):
         assert path in doc["paths"], path
     assert doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    counts, failures, sent_types = fuzz(gateway, {"Authorization": f"Bearer {KEY}"}, [PUBLIC, f"{PUBLIC}-decode"])
+    counts, failures, sent_types = fuzz(gateway, {"Authorization": f"Bearer {KEY}"}, [PUBLIC, f"{PUBLIC}-base"])
     report("gateway", counts, failures, time.time() - t0)
     # The run reaches the case a review found by hand (`"completion_window": {}` was a 500): a wrongly typed window.
     assert sent_types[("POST /v1/batches", "completion_window")] - {"string"}, sent_types[("POST /v1/batches", "completion_window")]

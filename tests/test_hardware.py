@@ -63,9 +63,9 @@ def test_auto_dtype_and_fp8_follow_the_flags(monkeypatch, flags, dtype, fp8):
         check_engine_args({"kv_cache_dtype": "fp8"}, on_cpu=True)
     else:
         with pytest.raises(UnsupportedSetting) as e:
-            check_engine_args({"kv_cache_dtype": "fp8_e4m3"}, on_cpu=True, where="pools.prefill.engine_args")
+            check_engine_args({"kv_cache_dtype": "fp8_e4m3"}, on_cpu=True, where="pools.swiftkv.engine_args")
         message = str(e.value)
-        assert "pools.prefill.engine_args.kv_cache_dtype: fp8_e4m3" in message
+        assert "pools.swiftkv.engine_args.kv_cache_dtype: fp8_e4m3" in message
         assert "AVX-512 or AMX" in message and "kv_cache_dtype: auto" in message
     check_engine_args({"kv_cache_dtype": "fp8"}, on_cpu=False)  # GPUs have their own FP8 path
 
@@ -83,8 +83,8 @@ def _fp8_config(tmp_path: Path, tiny_base: Path, tiny_swiftkv: Path) -> Path:
         "model": "tiny",
         "port": 0,
         "pools": {
-            "prefill": {"model": str(tiny_swiftkv), "engine_args": engine_args},
-            "decode": {"model": str(tiny_base), "engine_args": {"dtype": "auto", "max_model_len": 256}},
+            "swiftkv": {"model": str(tiny_swiftkv), "engine_args": engine_args},
+            "base": {"model": str(tiny_base), "engine_args": {"dtype": "auto", "max_model_len": 256}},
         },
     }
     path = tmp_path / "fp8.yaml"
@@ -101,7 +101,7 @@ def test_serve_refuses_fp8_kv_on_a_cpu_without_avx512(tmp_path, tiny_base, tiny_
     proc = subprocess.run([str(swiftkv), "serve", "--config", str(config), "--engine", "inprocess"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "pools.prefill.engine_args.kv_cache_dtype: fp8 needs a CPU with AVX-512 or AMX" in proc.stderr
+    assert "pools.swiftkv.engine_args.kv_cache_dtype: fp8 needs a CPU with AVX-512 or AMX" in proc.stderr
     assert "Traceback" not in proc.stderr and "EngineCore" not in proc.stderr
 
 
@@ -112,13 +112,13 @@ def test_serve_refuses_fp8_kv_on_a_cpu_without_avx512(tmp_path, tiny_base, tiny_
 def _pools_yaml(tmp_path: Path, cpu_cores, engine_args: dict | None = None) -> Path:
     path = tmp_path / "cores.yaml"
     pool = {"model": "m", "cpu_cores": cpu_cores, "engine_args": engine_args or {}}
-    path.write_text(yaml.safe_dump({"pools": {"decode": pool}}))
+    path.write_text(yaml.safe_dump({"pools": {"base": pool}}))
     return path
 
 
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), ("nobind", "nobind"), ("0-1", "0-1"), (1, "1"), (" 0,2-3 ", "0,2-3")])
 def test_cpu_cores_forms_accepted_at_config_load(tmp_path, value, expected):
-    assert load_config(_pools_yaml(tmp_path, value)).pools["decode"].cpu_cores == expected
+    assert load_config(_pools_yaml(tmp_path, value)).pools["base"].cpu_cores == expected
 
 
 @pytest.mark.parametrize(
@@ -150,8 +150,8 @@ def test_cpu_ids_outside_this_process_are_refused():
     check_cpu_cores_fit(format_cpu_list(allowed))
     outside = max(allowed) + 1
     with pytest.raises(UnsupportedSetting) as e:
-        check_cpu_cores_fit(f"0|{outside}", "pools.decode.cpu_cores")
-    assert str(e.value).startswith(f"pools.decode.cpu_cores: CPU {outside} is not available here")
+        check_cpu_cores_fit(f"0|{outside}", "pools.base.cpu_cores")
+    assert str(e.value).startswith(f"pools.base.cpu_cores: CPU {outside} is not available here")
     assert f"CPUs {format_cpu_list(allowed)}" in str(e.value)
 
 
@@ -173,25 +173,25 @@ def test_binding_plan(monkeypatch, caplog):
     monkeypatch.delenv(BIND_ENV, raising=False)
     monkeypatch.setenv(FEATURES_ENV, AVX2_ONLY)
     cpus = allowed_cpus()
-    both = {"prefill": "auto", "decode": "auto"}
-    assert plan_cpu_binding(both, {}, on_cpu=False) == {"prefill": None, "decode": None}  # GPUs: untouched
-    assert plan_cpu_binding({"decode": "auto"}, {}, on_cpu=True) == {"decode": None}  # one engine: vLLM's own binding
+    both = {"swiftkv": "auto", "base": "auto"}
+    assert plan_cpu_binding(both, {}, on_cpu=False) == {"swiftkv": None, "base": None}  # GPUs: untouched
+    assert plan_cpu_binding({"base": "auto"}, {}, on_cpu=True) == {"base": None}  # one engine: vLLM's own binding
     with caplog.at_level("INFO", logger="swiftkv.hardware"):
         plan = plan_cpu_binding(both, {}, on_cpu=True)
     assert set(plan) == set(both) and all(plan.values())
     shares = [set(parse_cpu_list(plan[name])) for name in both]
     assert shares[0] | shares[1] <= set(cpus)
     assert len(cpus) < 2 or not shares[0] & shares[1]
-    assert f"pool prefill: cpu_cores auto -> {plan['prefill']} (2 in-process engines" in caplog.text
+    assert f"pool swiftkv: cpu_cores auto -> {plan['swiftkv']} (2 in-process engines" in caplog.text
     assert "vector flags (from SWIFTKV_CPU_FEATURES): avx2 fma" in caplog.text  # logged with the CPU, like dtype auto
     # An explicit list passes through and the auto engine gets the rest; nobind claims nothing.
-    assert plan_cpu_binding({"prefill": str(cpus[0]), "decode": "auto"}, {}, on_cpu=True, cpus=[0, 1]) == {"prefill": "0", "decode": "1"}
-    assert plan_cpu_binding({"prefill": "nobind", "decode": "auto"}, {}, on_cpu=True, cpus=[0, 1, 2]) == {"prefill": "nobind", "decode": "0-1"}
+    assert plan_cpu_binding({"swiftkv": str(cpus[0]), "base": "auto"}, {}, on_cpu=True, cpus=[0, 1]) == {"swiftkv": "0", "base": "1"}
+    assert plan_cpu_binding({"swiftkv": "nobind", "base": "auto"}, {}, on_cpu=True, cpus=[0, 1, 2]) == {"swiftkv": "nobind", "base": "0-1"}
     # Several workers per engine: vLLM's own binding (one list per worker is the operator's to give).
-    assert plan_cpu_binding(both, {"decode": 2}, on_cpu=True) == {"prefill": None, "decode": None}
+    assert plan_cpu_binding(both, {"base": 2}, on_cpu=True) == {"swiftkv": None, "base": None}
     # The operator's VLLM_CPU_OMP_THREADS_BIND wins over auto.
     monkeypatch.setenv(BIND_ENV, "nobind")
-    assert plan_cpu_binding(both, {}, on_cpu=True) == {"prefill": None, "decode": None}
+    assert plan_cpu_binding(both, {}, on_cpu=True) == {"swiftkv": None, "base": None}
 
 
 @pytest.mark.slow
@@ -200,11 +200,11 @@ def test_serve_refuses_cpu_cores_this_machine_lacks(tmp_path, tiny_base):
     engine starts; garbage is refused as an invalid config."""
     outside = max(allowed_cpus()) + 6
     swiftkv = Path(sys.executable).with_name("swiftkv")
-    for value, says in ((outside, f"pools.decode.cpu_cores: CPU {outside} is not available here"),
+    for value, says in ((outside, f"pools.base.cpu_cores: CPU {outside} is not available here"),
                         ("cores please", "cpu_cores: 'cores please' is not a list of CPU ids")):
         config = tmp_path / "platform.yaml"
         config.write_text(yaml.safe_dump({"model": "tiny", "port": 0, "pools": {
-            "decode": {"model": str(tiny_base), "cpu_cores": value, "engine_args": {"max_model_len": 256}}}}))
+            "base": {"model": str(tiny_base), "cpu_cores": value, "engine_args": {"max_model_len": 256}}}}))
         proc = subprocess.run([str(swiftkv), "serve", "--config", str(config), "--engine", "inprocess"],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stderr

@@ -22,8 +22,8 @@ import pytest
 from harness.engines import KEY, MAX_MODEL_LEN, UPSTREAM, UPSTREAM_KEY
 
 PUBLIC = "tiny"
-DECODE = "tiny-decode"  # base model, hermes tool parser
-PREFILL = "tiny-prefill"  # SwiftKV model, no tool parser, one sequence at a time
+BASE = "tiny-base"  # base model, hermes tool parser
+SWIFTKV = "tiny-swiftkv"  # SwiftKV model, no tool parser, one sequence at a time
 BARE = UPSTREAM  # vLLM's own server's model
 
 pytestmark = pytest.mark.engine
@@ -99,13 +99,13 @@ COMPLETION_PARAMS = {
 def test_each_completion_parameter_matches_vllm(ours, theirs, name):
     fields, check, acts = COMPLETION_PARAMS[name]
     request = {"max_tokens": 16, "seed": 1234, "temperature": 1.0} | fields
-    mine = complete(ours, DECODE, **dict(request))
+    mine = complete(ours, BASE, **dict(request))
     assert mine == complete(theirs, BARE, **dict(request))
     if check is not None:
         assert check(mine), mine
     if acts:  # the same request without the parameter answers differently
         without = {k: v for k, v in request.items() if k != name}
-        assert mine != complete(ours, DECODE, **without), name
+        assert mine != complete(ours, BASE, **without), name
 
 
 CHAT_PARAMS = {
@@ -124,7 +124,7 @@ CHAT_PARAMS = {
 @pytest.mark.parametrize("name", list(CHAT_PARAMS))
 def test_each_chat_parameter_matches_vllm(ours, theirs, name):
     request = {"max_tokens": 16, "seed": 99, "temperature": 1.0} | CHAT_PARAMS[name]
-    mine, bare = chat(ours, DECODE, **dict(request)), chat(theirs, BARE, **dict(request))
+    mine, bare = chat(ours, BASE, **dict(request)), chat(theirs, BARE, **dict(request))
     assert [(c.message.content, c.finish_reason) for c in mine.choices] == [(c.message.content, c.finish_reason) for c in bare.choices]
     assert mine.usage.prompt_tokens == bare.usage.prompt_tokens
     if name == "echo":
@@ -140,7 +140,7 @@ SCHEMA = {
 }
 
 
-@pytest.mark.parametrize("model", [DECODE, PREFILL])
+@pytest.mark.parametrize("model", [BASE, SWIFTKV])
 def test_json_schema_output_parses_and_validates(ours, model):
     for seed in (1, 2):  # without whitespace between tokens, so the random model's answer ends within max_tokens
         r = chat(ours, model, max_tokens=300, seed=seed, temperature=1.0,
@@ -157,22 +157,22 @@ def test_json_schema_output_parses_and_validates(ours, model):
 def test_json_schema_matches_vllm_streamed_and_whole(ours, theirs):
     request = {"max_tokens": 120, "seed": 5, "temperature": 1.0,
                "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}}
-    whole = chat(ours, DECODE, **dict(request)).choices[0].message.content
+    whole = chat(ours, BASE, **dict(request)).choices[0].message.content
     assert whole == chat(theirs, BARE, **dict(request)).choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in chat(ours, DECODE, stream=True, **dict(request)) if c.choices)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(ours, BASE, stream=True, **dict(request)) if c.choices)
     assert streamed == whole
 
 
 def test_a_schema_the_backend_cannot_compile_is_a_400_naming_it(ours):
     bad = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}
     with pytest.raises(openai.BadRequestError) as e:
-        chat(ours, DECODE, max_tokens=8, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": bad}})
+        chat(ours, BASE, max_tokens=8, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": bad}})
     assert e.value.body["param"] == "response_format.json_schema.schema", e.value.body
     with pytest.raises(openai.BadRequestError) as e:
-        chat(ours, PREFILL, max_tokens=8, stream=True, structured_outputs={"regex": "(unclosed"})
+        chat(ours, SWIFTKV, max_tokens=8, stream=True, structured_outputs={"regex": "(unclosed"})
     assert e.value.body["param"] == "structured_outputs", e.value.body
     with pytest.raises(openai.BadRequestError) as e:
-        chat(ours, DECODE, max_tokens=8, structured_outputs={"regex": "a", "choice": ["b"]})
+        chat(ours, BASE, max_tokens=8, structured_outputs={"regex": "a", "choice": ["b"]})
     assert e.value.body["param"] == "structured_outputs"
     ours.with_options(max_retries=0).models.list()  # the platform keeps serving
 
@@ -210,34 +210,34 @@ def test_named_and_required_tool_calls_match_vllm(ours, theirs, choice):
     """With the pool's hermes parser, vLLM's own machinery constrains the answer (hermes' structural tag)
     and extracts the calls: the same calls as vLLM's server, whole and streamed as OpenAI's deltas."""
     request = {"max_tokens": 80, "seed": 11, "temperature": 1.0, "tools": TOOLS, "tool_choice": NAMED if choice == "named" else "required"}
-    mine, bare = chat(ours, DECODE, **dict(request)).choices[0], chat(theirs, BARE, **dict(request)).choices[0]
+    mine, bare = chat(ours, BASE, **dict(request)).choices[0], chat(theirs, BARE, **dict(request)).choices[0]
     assert _calls(mine.message) and _calls(mine.message) == _calls(bare.message)
     assert mine.finish_reason == bare.finish_reason == ("stop" if choice == "named" else "tool_calls")
-    assert _streamed_calls(ours, DECODE, request) == (_calls(mine.message), mine.finish_reason)
+    assert _streamed_calls(ours, BASE, request) == (_calls(mine.message), mine.finish_reason)
 
 
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_tool_calls_without_a_parser_follow_the_tools_json_schema(ours, choice):
     """No parser on the SwiftKV pool: vLLM's JSON schema from the tools constrains the answer."""
     request = {"parallel_tool_calls": False, "max_tokens": 400, "seed": 11, "temperature": 1.0, "tools": TOOLS, "tool_choice": NAMED if choice == "named" else "required"}
-    r = chat(ours, PREFILL, **dict(request)).choices[0]
+    r = chat(ours, SWIFTKV, **dict(request)).choices[0]
     calls = _calls(r.message)
     assert calls and all(name == "get_weather" for name, _ in calls)
     for _, args in calls:
         jsonschema.validate(args, TOOLS[0]["function"]["parameters"])
     assert r.finish_reason == ("stop" if choice == "named" else "tool_calls")
-    assert _streamed_calls(ours, PREFILL, request) == (calls, r.finish_reason)
+    assert _streamed_calls(ours, SWIFTKV, request) == (calls, r.finish_reason)
 
 
 def test_auto_tool_calls_go_through_the_pools_parser(ours, theirs):
     """The tiny model writes no tool calls of its own: a regex makes it write hermes' format, which the
     pool's hermes parser (and vLLM's, on the bare server) turn into tool calls."""
     request = {"max_tokens": 150, "seed": 3, "temperature": 1.0, "tools": TOOLS, "structured_outputs": {"regex": FORCED_CALL}}
-    mine, bare = chat(ours, DECODE, **dict(request)).choices[0], chat(theirs, BARE, **dict(request)).choices[0]
+    mine, bare = chat(ours, BASE, **dict(request)).choices[0], chat(theirs, BARE, **dict(request)).choices[0]
     assert _calls(mine.message) == _calls(bare.message) == [("get_weather", {"city": "Paris"})]
     assert mine.finish_reason == bare.finish_reason == "tool_calls"
     name, args, ids, finish = None, "", set(), None
-    for chunk in chat(ours, DECODE, stream=True, **dict(request)):
+    for chunk in chat(ours, BASE, stream=True, **dict(request)):
         for c in chunk.choices:
             finish = c.finish_reason or finish
             for d in c.delta.tool_calls or []:
@@ -246,30 +246,30 @@ def test_auto_tool_calls_go_through_the_pools_parser(ours, theirs):
                 ids |= {d.id} if d.id else set()
     assert (name, json.loads(args), len(ids), finish) == ("get_weather", {"city": "Paris"}, 1, "tool_calls")
     # tool_choice none: tools reach the template, the answer stays text
-    r = chat(ours, DECODE, max_tokens=8, seed=3, tools=TOOLS, tool_choice="none").choices[0]
+    r = chat(ours, BASE, max_tokens=8, seed=3, tools=TOOLS, tool_choice="none").choices[0]
     assert r.message.tool_calls in (None, []) and r.message.content is not None
 
 
 def test_a_model_without_a_tool_format_is_refused_for_auto(ours):
     with pytest.raises(openai.BadRequestError) as e:
-        chat(ours, PREFILL, max_tokens=8, tools=TOOLS)
+        chat(ours, SWIFTKV, max_tokens=8, tools=TOOLS)
     assert e.value.body["param"] == "tool_choice" and "tool_call_parser" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:  # the public name routes to pools with different parsers
         chat(ours, PUBLIC, max_tokens=8, tools=TOOLS, tool_choice="auto")
     assert e.value.body["param"] == "model"
     # required and named need no parser (structured output makes the calls), as in vLLM
-    r = chat(ours, PREFILL, max_tokens=80, seed=2, tools=TOOLS, tool_choice="required").choices[0]
+    r = chat(ours, SWIFTKV, max_tokens=80, seed=2, tools=TOOLS, tool_choice="required").choices[0]
     assert _calls(r.message)[0][0] == "get_weather"
     bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$defs": [1]}}}]
     with pytest.raises(openai.BadRequestError) as e:  # vLLM's own check of the tools, as a 400
-        chat(ours, PREFILL, max_tokens=8, tools=bad, tool_choice="required")
+        chat(ours, SWIFTKV, max_tokens=8, tools=bad, tool_choice="required")
     assert e.value.body["param"] == "tools" and "$defs" in e.value.body["message"]
 
 
 def test_a_tool_call_round_trips(ours, theirs, platform_base):
     request = {"max_tokens": 80, "seed": 11, "temperature": 1.0, "tools": TOOLS,
                "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-    first = chat(ours, PREFILL, **dict(request)).choices[0].message
+    first = chat(ours, SWIFTKV, **dict(request)).choices[0].message
     call = first.tool_calls[0]
     messages = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function",
@@ -277,11 +277,11 @@ def test_a_tool_call_round_trips(ours, theirs, platform_base):
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21}'},
     ]
     follow = {"messages": messages, "max_tokens": 12, "seed": 4, "temperature": 1.0, "tools": TOOLS}
-    mine, bare_answer = chat(ours, DECODE, tool_choice="none", **dict(follow)), chat(theirs, BARE, tool_choice="none", **dict(follow))
+    mine, bare_answer = chat(ours, BASE, tool_choice="none", **dict(follow)), chat(theirs, BARE, tool_choice="none", **dict(follow))
     assert mine.choices[0].message.content == bare_answer.choices[0].message.content
     assert mine.usage.prompt_tokens == bare_answer.usage.prompt_tokens
     # the tool's answer is in the prompt the engine saw
-    tokens = httpx.post(f"{platform_base}/tokenize", json={"model": DECODE, "messages": messages},
+    tokens = httpx.post(f"{platform_base}/tokenize", json={"model": BASE, "messages": messages},
                         headers={"Authorization": f"Bearer {KEY}"}).json()
     assert '{"temperature_c": 21}' in httpx.post(f"{platform_base}/detokenize", json={"tokens": tokens["tokens"]},
                                                  headers={"Authorization": f"Bearer {KEY}"}).json()["prompt"]
@@ -298,7 +298,7 @@ def test_priority_orders_the_engines_queue(ours):
     done: dict[str, float] = {}
 
     def run(name, priority, max_tokens):
-        complete(ours, PREFILL, max_tokens=max_tokens, seed=1, temperature=1.0, ignore_eos=True, priority=priority)
+        complete(ours, SWIFTKV, max_tokens=max_tokens, seed=1, temperature=1.0, ignore_eos=True, priority=priority)
         done[name] = time.monotonic()
 
     # Two long requests ahead (the second waits behind the first): the queue stays busy for at least one whole
@@ -321,7 +321,7 @@ def test_priority_orders_the_engines_queue(ours):
 
 
 def test_streamed_usage_with_continuous_stats(ours, theirs):
-    for model, client in ((DECODE, ours), (BARE, theirs)):
+    for model, client in ((BASE, ours), (BARE, theirs)):
         chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=10, stream=True, seed=1,
                                                  stream_options={"include_usage": True, "continuous_usage_stats": True},
                                                  extra_body={"ignore_eos": True}))
@@ -341,7 +341,7 @@ def test_tokenize_detokenize_and_version_as_vllm(platform_base, bare):
     auth = {"Authorization": f"Bearer {KEY}"}
     for body in ({"prompt": PROMPT}, {"prompt": PROMPT, "add_special_tokens": False}, {"messages": MESSAGES},
                  {"messages": MESSAGES, "add_generation_prompt": False}):
-        mine = httpx.post(f"{platform}/tokenize", json={"model": DECODE} | body, headers=auth).json()
+        mine = httpx.post(f"{platform}/tokenize", json={"model": BASE} | body, headers=auth).json()
         theirs = httpx.post(f"{bare}/tokenize", json={"model": BARE} | body, headers=BARE_AUTH).json()
         assert (mine["tokens"], mine["count"], mine["max_model_len"]) == (theirs["tokens"], theirs["count"], MAX_MODEL_LEN)
         back = httpx.post(f"{platform}/detokenize", json={"tokens": mine["tokens"]}, headers=auth).json()
@@ -365,7 +365,7 @@ def test_vllm_bench_serve_runs_against_the_platform(platform_base, tiny_base, tm
         "r = main(p.parse_args(sys.argv[1:]))\n"
         "print('RESULT ' + json.dumps({k: r[k] for k in ('completed', 'failed', 'total_output_tokens', 'errors') if k in r}))\n"
     )
-    args = ["--backend", backend, "--base-url", platform_base, "--endpoint", endpoint, "--model", DECODE, "--tokenizer", str(tiny_base),
+    args = ["--backend", backend, "--base-url", platform_base, "--endpoint", endpoint, "--model", BASE, "--tokenizer", str(tiny_base),
             "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "16", "--num-prompts", "8",
             "--max-concurrency", "4", "--ignore-eos", "--seed", "0", "--disable-tqdm"]
     proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600,
@@ -381,7 +381,7 @@ GUIDELLM = Path(__file__).parents[1] / ".tools" / "guidellm" / "bin" / "guidellm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("endpoint,model", [("/v1/chat/completions", PUBLIC), ("/v1/completions", PREFILL)])
+@pytest.mark.parametrize("endpoint,model", [("/v1/chat/completions", PUBLIC), ("/v1/completions", SWIFTKV)])
 def test_guidellm_runs_against_the_platform(platform_base, tiny_base, tmp_path, endpoint, model):
     """guidellm, the benchmark client vLLM's docs recommend (in its own venv: its pins conflict with the project's),
     a short constant-rate run of synthetic prompts: every request succeeds, streamed with continuous usage stats, and

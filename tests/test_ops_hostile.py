@@ -23,8 +23,8 @@ def test_one_pool_down_the_gateway_stays_live_and_ready(tiny_base):
     from services.gateway.prompts import Prompter
 
     pool_cfg = {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}
-    cfg = PlatformConfig(model="m", pools={"prefill": pool_cfg, "decode": pool_cfg}, health={"period_seconds": 3600})
-    backends = {"prefill": FakeBackend("prefill", up=False), "decode": FakeBackend("decode")}
+    cfg = PlatformConfig(model="m", pools={"swiftkv": pool_cfg, "base": pool_cfg}, health={"period_seconds": 3600})
+    backends = {"swiftkv": FakeBackend("swiftkv", up=False), "base": FakeBackend("base")}
     gateway = Gateway(cfg, backends, Prompter(str(tiny_base)), KeyStore({digest(KEY): {}}))
     auth = {"Authorization": f"Bearer {KEY}"}
 
@@ -38,18 +38,18 @@ def test_one_pool_down_the_gateway_stays_live_and_ready(tiny_base):
                 assert (await c.get("/health")).json() == {"status": "ok"}
                 r = await c.get("/ready")
                 assert r.status_code == 200
-                assert r.json() == {"ready": True, "started": True, "pools": {"prefill": False, "decode": True}}
+                assert r.json() == {"ready": True, "started": True, "pools": {"swiftkv": False, "base": True}}
                 r = await c.post("/v1/completions", headers=auth, json={"model": "m", "prompt": "hello " * 20, "max_tokens": 1})
-                assert r.status_code == 200 and "pool=decode; reason=fallback" in r.headers["x-swiftkv-route"]
+                assert r.status_code == 200 and "pool=base; reason=fallback" in r.headers["x-swiftkv-route"]
                 assert (await c.get("/v1/models")).status_code == 401
                 metrics = await c.get("/metrics")  # no key: Prometheus scrapes it as it scrapes vLLM
                 assert metrics.status_code == 200
-                assert 'swiftkv_pool_ready{pool="prefill"} 0.0' in metrics.text
-                assert 'swiftkv_pool_ready{pool="decode"} 1.0' in metrics.text
+                assert 'swiftkv_pool_ready{pool="swiftkv"} 0.0' in metrics.text
+                assert 'swiftkv_pool_ready{pool="base"} 1.0' in metrics.text
 
-                gateway.lifecycle.set_ready(gateway.pools["decode"], False)  # now no pool can serve
+                gateway.lifecycle.set_ready(gateway.pools["base"], False)  # now no pool can serve
                 r = await c.get("/ready")
-                assert r.status_code == 503 and r.json()["pools"] == {"prefill": False, "decode": False}
+                assert r.status_code == 503 and r.json()["pools"] == {"swiftkv": False, "base": False}
                 assert (await c.get("/health")).status_code == 200
             finally:
                 await gateway.stop()
@@ -70,13 +70,13 @@ def serve(tmp_path, config: str):
 
 
 def test_an_unreachable_database_is_named_without_its_password(tmp_path):
-    r = serve(tmp_path, "model: m\npools:\n  decode: {backend: remote, url: 'http://127.0.0.1:9/v1', model: x}\n")
+    r = serve(tmp_path, "model: m\npools:\n  base: {backend: remote, url: 'http://127.0.0.1:9/v1', model: x}\n")
     assert r.exit_code == 2, r.output
     assert "batch store (postgresql://swiftkv:***@127.0.0.1:9/swiftkv)" in r.output and "s3cret" not in r.output
 
 
 def test_a_config_error_does_not_repeat_the_store_urls(tmp_path):
     """pydantic's own message repeats the whole input, database and Redis URLs (and their passwords) included."""
-    r = serve(tmp_path, "model: m\npools:\n  decode: {backend: remote, url: 'http://127.0.0.1:9/v1', model: x, served_model_name: m}\n")
+    r = serve(tmp_path, "model: m\npools:\n  base: {backend: remote, url: 'http://127.0.0.1:9/v1', model: x, served_model_name: m}\n")
     assert r.exit_code == 2 and "model names must be distinct" in r.output, r.output
     assert "s3cret" not in r.output

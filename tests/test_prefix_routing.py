@@ -14,8 +14,8 @@ from harness import FakeBackend, metric
 from harness.gateway import InProcessGateway, platform_config
 from harness.metrics import parse
 
+from services.common.prefix_index import PrefixIndex, block_hashes
 from services.config import RoutingConfig
-from services.gateway.prefix_index import PrefixIndex, block_hashes
 from services.gateway.routing import PoolState, RoutePolicy
 from services.serving.backend import BackendDown
 
@@ -126,8 +126,8 @@ def test_the_index_is_safe_across_threads():
 
 # ---- the cost choice ---------------------------------------------------------------------------------------------
 def pools(**work) -> dict[str, PoolState]:
-    """Both pools ready; `prefill=5000` puts 5,000 prompt tokens of work in flight on it."""
-    out = {name: PoolState(name, backend=None, served_model_name=f"m-{name}", ready=True) for name in ("prefill", "decode")}
+    """Both pools ready; `swiftkv=5000` puts 5,000 prompt tokens of work in flight on it."""
+    out = {name: PoolState(name, backend=None, served_model_name=f"m-{name}", ready=True) for name in ("swiftkv", "base")}
     for name, tokens_ in work.items():
         out[name].dispatched(tokens_)
     return out
@@ -156,80 +156,80 @@ def test_cache_aware_routing_is_on_by_default_and_replaced_settings_are_refused(
 
 def test_the_index_follows_the_engines_block_size_and_capacity_unless_the_config_fixes_them():
     policy = RoutePolicy(RoutingConfig())
-    policy.adopt_engine_cache("prefill", 128, 128 * 10)
-    policy.adopt_engine_cache("decode", 128, 128 * 20)
+    policy.adopt_engine_cache("swiftkv", 128, 128 * 10)
+    policy.adopt_engine_cache("base", 128, 128 * 20)
     assert policy.index.block_size == 128
     chain = policy.blocks(tokens(128 * 30, 1))
     assert len(chain) == 30
-    policy.index.record("prefill", chain)
-    policy.index.record("decode", chain)
-    assert (policy.index.blocks("prefill"), policy.index.blocks("decode")) == (10, 20)  # each engine's own capacity
+    policy.index.record("swiftkv", chain)
+    policy.index.record("base", chain)
+    assert (policy.index.blocks("swiftkv"), policy.index.blocks("base")) == (10, 20)  # each engine's own capacity
     fixed = cache_aware(prefix_cache_tokens=BS * 4)
-    fixed.adopt_engine_cache("prefill", 128, 128 * 10)
+    fixed.adopt_engine_cache("swiftkv", 128, 128 * 10)
     assert fixed.index.block_size == BS
-    fixed.index.record("prefill", fixed.blocks(tokens(BS * 9, 2)))
-    assert fixed.index.blocks("prefill") == 4
+    fixed.index.record("swiftkv", fixed.blocks(tokens(BS * 9, 2)))
+    assert fixed.index.blocks("swiftkv") == 4
 
 
 def test_a_second_turn_stays_where_its_history_is_cached():
-    """Turn 1 is prompt-heavy (the ratio picks prefill); turn 2 adds a question and asks for a long answer (the ratio
-    picks decode) but prefill holds its 2,000-token history: counting decode's cold prefill, prefill has less work."""
+    """Turn 1 is prompt-heavy (the ratio picks swiftkv); turn 2 adds a question and asks for a long answer (the ratio
+    picks base) but swiftkv holds its 2,000-token history: counting base's cold prefill, swiftkv has less work."""
     policy = cache_aware()
     history = tokens(2000, 1)
     first = policy.decide(2000, 50, pools(), blocks=policy.blocks(history))
-    assert (first.pool, first.reason) == ("prefill", "ratio")
+    assert (first.pool, first.reason) == ("swiftkv", "ratio")
     p = pools()
     policy.index.record(first.pool, first.blocks)
     turn2 = history + tokens(100, 2)
     d = policy.decide(2100, 1000, p, blocks=policy.blocks(turn2))
-    assert (d.pool, d.reason) == ("prefill", "prefix")
+    assert (d.pool, d.reason) == ("swiftkv", "prefix")
     assert "reason=prefix" in d.header()
-    assert RoutePolicy(RoutingConfig()).decide(2100, 1000, p).pool == "decode"  # the ratio alone: decode
-    # and the other way: a history on decode keeps a prompt-heavy next turn there
-    policy.index.forget("prefill")
-    policy.index.record("decode", first.blocks)
+    assert RoutePolicy(RoutingConfig()).decide(2100, 1000, p).pool == "base"  # the ratio alone: base
+    # and the other way: a history on base keeps a prompt-heavy next turn there
+    policy.index.forget("swiftkv")
+    policy.index.record("base", first.blocks)
     d = policy.decide(2100, 10, p, blocks=policy.blocks(turn2))
-    assert (d.pool, d.reason) == ("decode", "prefix")
+    assert (d.pool, d.reason) == ("base", "prefix")
 
 
 def test_a_cold_prompt_goes_where_the_ratio_says():
     policy = cache_aware()
-    policy.index.record("prefill", policy.blocks(tokens(3000, 7)))  # another conversation
+    policy.index.record("swiftkv", policy.blocks(tokens(3000, 7)))  # another conversation
     d = policy.decide(3000, 1000, pools(), blocks=policy.blocks(tokens(3000, 8)))
-    assert (d.pool, d.reason) == ("decode", "ratio")
+    assert (d.pool, d.reason) == ("base", "ratio")
 
 
 def test_a_shared_system_prompt_up_to_the_distinctive_minimum_does_not_pin_traffic():
     """64 cached tokens count for nothing (prefix_min_distinct_tokens 64): a system prompt of up to 64 tokens cached
-    on prefill leaves decode-heavy requests on decode; 32 more cached tokens (a conversation of its own) count."""
+    on swiftkv leaves decode-heavy requests on base; 32 more cached tokens (a conversation of its own) count."""
     policy = cache_aware()
     system = tokens(64, 3)
-    policy.index.record("prefill", policy.blocks(system + tokens(500, 4)))  # someone else's request, same system prompt
+    policy.index.record("swiftkv", policy.blocks(system + tokens(500, 4)))  # someone else's request, same system prompt
     mine = system + tokens(500, 5)
     d = policy.decide(len(mine), 400, pools(), blocks=policy.blocks(mine))
-    assert (d.pool, d.reason) == ("decode", "ratio")
-    assert policy.cached_tokens("prefill", len(mine), d.blocks) == 64  # cached indeed, at the minimum
-    policy.index.record("prefill", policy.blocks(mine[:96]))  # 32 distinctive tokens beyond it
+    assert (d.pool, d.reason) == ("base", "ratio")
+    assert policy.cached_tokens("swiftkv", len(mine), d.blocks) == 64  # cached indeed, at the minimum
+    policy.index.record("swiftkv", policy.blocks(mine[:96]))  # 32 distinctive tokens beyond it
     d = policy.decide(len(mine), 400, pools(), blocks=policy.blocks(mine))
-    assert (d.pool, d.reason) == ("prefill", "prefix")
+    assert (d.pool, d.reason) == ("swiftkv", "prefix")
 
 
 def test_a_pool_loaded_beyond_what_its_cache_saves_does_not_win_on_it():
-    """Prefill holds 4,000 of the 4,100 prompt tokens (3,936 beyond the minimum): it wins the next turn while the
-    work in flight there exceeds decode's by less than that, and loses it beyond (no hotspot on a cached document)."""
+    """The swiftkv pool holds 4,000 of the 4,100 prompt tokens (3,936 beyond the minimum): it wins the next turn while the
+    work in flight there exceeds base's by less than that, and loses it beyond (no hotspot on a cached document)."""
     policy = cache_aware()
     history = tokens(4000, 6)
-    policy.index.record("prefill", policy.blocks(history))
+    policy.index.record("swiftkv", policy.blocks(history))
     turn2 = history + tokens(100, 7)
     blocks = policy.blocks(turn2)
-    d = policy.decide(len(turn2), 2000, pools(prefill=3900), blocks=blocks)
-    assert (d.pool, d.reason) == ("prefill", "prefix")
-    d = policy.decide(len(turn2), 2000, pools(prefill=4000), blocks=blocks)
-    assert (d.pool, d.reason) == ("decode", "ratio")
-    d = policy.decide(len(turn2), 2000, pools(prefill=9000, decode=5000), blocks=blocks)  # the difference counts
-    assert (d.pool, d.reason) == ("decode", "ratio")
-    d = policy.decide(len(turn2), 2000, pools(prefill=8000, decode=5000), blocks=blocks)
-    assert (d.pool, d.reason) == ("prefill", "prefix")
+    d = policy.decide(len(turn2), 2000, pools(swiftkv=3900), blocks=blocks)
+    assert (d.pool, d.reason) == ("swiftkv", "prefix")
+    d = policy.decide(len(turn2), 2000, pools(swiftkv=4000), blocks=blocks)
+    assert (d.pool, d.reason) == ("base", "ratio")
+    d = policy.decide(len(turn2), 2000, pools(swiftkv=9000, base=5000), blocks=blocks)  # the difference counts
+    assert (d.pool, d.reason) == ("base", "ratio")
+    d = policy.decide(len(turn2), 2000, pools(swiftkv=8000, base=5000), blocks=blocks)
+    assert (d.pool, d.reason) == ("swiftkv", "prefix")
 
 
 def test_the_backlog_override_counts_what_is_cached():
@@ -238,21 +238,21 @@ def test_the_backlog_override_counts_what_is_cached():
     policy = cache_aware()
     history = tokens(4000, 8)
     turn2 = history + tokens(100, 9)
-    d = policy.decide(len(turn2), 10, pools(prefill=5000, decode=500), blocks=policy.blocks(turn2))
-    assert (d.pool, d.reason) == ("decode", "backlog")
-    policy.index.record("prefill", policy.blocks(history))
-    d = policy.decide(len(turn2), 10, pools(prefill=5000, decode=500), blocks=policy.blocks(turn2))
-    assert (d.pool, d.reason) == ("prefill", "ratio")
+    d = policy.decide(len(turn2), 10, pools(swiftkv=5000, base=500), blocks=policy.blocks(turn2))
+    assert (d.pool, d.reason) == ("base", "backlog")
+    policy.index.record("swiftkv", policy.blocks(history))
+    d = policy.decide(len(turn2), 10, pools(swiftkv=5000, base=500), blocks=policy.blocks(turn2))
+    assert (d.pool, d.reason) == ("swiftkv", "ratio")
 
 
 # ---- through the gateway -----------------------------------------------------------------------------------------
 def test_the_gateway_records_the_serving_pool_and_routes_the_next_turn_there(tiny_base):
-    """Through the app: turn 1 (prompt-heavy) is served by prefill and entered in the index at dispatch; turn 2
-    (decode-heavy by ratio) goes to prefill with reason `prefix`, in the route header and the route metrics, with the
+    """Through the app: turn 1 (prompt-heavy) is served by swiftkv and entered in the index at dispatch; turn 2
+    (decode-heavy by ratio) goes to swiftkv with reason `prefix`, in the route header and the route metrics, with the
     prediction metrics. A pool that fails before its first token is forgotten; the pool that served is recorded."""
     routing = {"prefix_min_distinct_tokens": 32, "prefix_block_size": BS}
     cfg = platform_config(tiny_base, max_model_len=2048, routing=routing)
-    backends = {"prefill": FakeBackend("prefill"), "decode": FakeBackend("decode")}
+    backends = {"swiftkv": FakeBackend("swiftkv"), "base": FakeBackend("base")}
     served = InProcessGateway(cfg, backends, batch=False)
     index = served.gateway.policy.index
     history = "The quarterly report says revenue grew in every region. " * 20
@@ -262,26 +262,26 @@ def test_the_gateway_records_the_serving_pool_and_routes_the_next_turn_there(tin
             before = parse((await c.get("/metrics")).text)
             r = await c.post("/v1/completions", json={"model": "m", "prompt": history, "max_tokens": 5})
             assert r.status_code == 200, r.text
-            assert "pool=prefill; reason=ratio" in r.headers["x-swiftkv-route"]
+            assert "pool=swiftkv; reason=ratio" in r.headers["x-swiftkv-route"]
             prompt_tokens = r.json()["usage"]["prompt_tokens"]
-            assert index.blocks("prefill") == prompt_tokens // BS and index.blocks("decode") == 0
+            assert index.blocks("swiftkv") == prompt_tokens // BS and index.blocks("base") == 0
             turn2 = {"model": "m", "prompt": history + " Summarize it in detail.", "max_tokens": 400}
             r = await c.post("/v1/completions", json=turn2)
             assert r.status_code == 200, r.text
             route = r.headers["x-swiftkv-route"]
-            assert "pool=prefill; reason=prefix" in route and float(route.rsplit("ratio=", 1)[1]) < 4
+            assert "pool=swiftkv; reason=prefix" in route and float(route.rsplit("ratio=", 1)[1]) < 4
             after = parse((await c.get("/metrics")).text)
             delta = lambda name, **labels: metric(after, name, **labels) - metric(before, name, **labels)  # noqa: E731
-            assert delta("swiftkv_route_decisions_total", pool="prefill", reason="prefix") == 1
-            assert delta("swiftkv_route_predicted_ttft_seconds_count", pool="prefill") == 2
-            assert delta("swiftkv_route_prefix_cached_tokens_total", pool="prefill") >= prompt_tokens - BS
+            assert delta("swiftkv_route_decisions_total", pool="swiftkv", reason="prefix") == 1
+            assert delta("swiftkv_route_predicted_ttft_seconds_count", pool="swiftkv") == 2
+            assert delta("swiftkv_route_prefix_cached_tokens_total", pool="swiftkv") >= prompt_tokens - BS
 
-            # prefill goes down before its first token: the retry on decode is the one recorded, prefill is forgotten
-            backends["prefill"].error = BackendDown("pool prefill: engines restarting")
+            # swiftkv goes down before its first token: the retry on base is the one recorded, swiftkv is forgotten
+            backends["swiftkv"].error = BackendDown("pool swiftkv: engines restarting")
             r = await c.post("/v1/completions", json=turn2)
             assert r.status_code == 200, r.text
-            assert index.blocks("prefill") == 0 and index.blocks("decode") > 0
-            assert len(backends["decode"].requests) == 1
+            assert index.blocks("swiftkv") == 0 and index.blocks("base") > 0
+            assert len(backends["base"].requests) == 1
 
     asyncio.run(run())
 
@@ -290,7 +290,7 @@ def test_the_gateway_takes_the_engines_cache_layout_and_returns_the_work_it_coun
     """Pools whose engines report their KV cache (block size 128, as vLLM's CPU backend) set the index's blocks and each
     pool's capacity; every request's work in flight, answered or failed, leaves the pool's count when it ends."""
     cfg = platform_config(tiny_base, max_model_len=2048)
-    backends = {"prefill": FakeBackend("prefill", cache=(128, 128 * 40)), "decode": FakeBackend("decode", cache=(128, 128 * 80))}
+    backends = {"swiftkv": FakeBackend("swiftkv", cache=(128, 128 * 40)), "base": FakeBackend("base", cache=(128, 128 * 80))}
     served = InProcessGateway(cfg, backends, batch=False)
     policy = served.gateway.policy
 
@@ -315,5 +315,5 @@ def test_the_gateway_takes_the_engines_cache_layout_and_returns_the_work_it_coun
     finally:
         gc.unfreeze()  # start froze what was loaded (as `swiftkv serve` does)
     assert policy.index.capacity_blocks == 16_384 // 16 * 16 // 128  # the default, rescaled; each pool has its own:
-    policy.index.record("prefill", policy.blocks(list(range(128 * 50))))
-    assert policy.index.blocks("prefill") == 40
+    policy.index.record("swiftkv", policy.blocks(list(range(128 * 50))))
+    assert policy.index.blocks("swiftkv") == 40

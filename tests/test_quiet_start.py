@@ -43,7 +43,7 @@ if __name__ == "__main__":
     logs = Logs.start("info", sys.argv[2])
     logging.getLogger("swiftkv.serve").info("before the capture")
     logs.capture(Path(sys.argv[1]))
-    logging.getLogger("swiftkv.pools").info("pool decode: a platform line")
+    logging.getLogger("swiftkv.pools").info("pool base: a platform line")
     logging.getLogger("vllm.engine").warning("an engine warning")
     warnings.warn("a library warning")
     os.write(2, b"bare bytes on fd 2\\n")
@@ -71,9 +71,9 @@ def test_console_shows_the_platform_and_the_file_takes_the_rest(tmp_path):
     console, logfile = run_logging_script(tmp_path, "text")
     messages = [re.sub(r"^(\[worker \d\] )?\d\d:\d\d:\d\d ", r"\1", line) for line in console]
     assert messages == ["before the capture", f"engine and library logs: {tmp_path / 'logs' / 'serve.log'} (--log-level debug shows them here)",
-                        "pool decode: a platform line", "ERROR the port is taken", "[worker 1] a line from worker 1"], console
+                        "pool base: a platform line", "ERROR the port is taken", "[worker 1] a line from worker 1"], console
     for text in ("an engine warning", "a library warning", "bare bytes on fd 2", "a print", "child stdout", "child stderr",
-                 "uvicorn chatter", "pool decode: a platform line", "a library line from worker 1", "swiftkv.gateway [worker 1]"):
+                 "uvicorn chatter", "pool base: a platform line", "a library line from worker 1", "swiftkv.gateway [worker 1]"):
         assert text in logfile, text
 
 
@@ -81,7 +81,7 @@ def test_json_console_is_one_object_per_line(tmp_path):
     console, _ = run_logging_script(tmp_path, "json")
     entries = [json.loads(line) for line in console]
     assert [(e["level"], e["logger"], e["message"]) for e in entries][2:4] == [
-        ("info", "swiftkv.pools", "pool decode: a platform line"), ("error", "uvicorn.error", "the port is taken")]
+        ("info", "swiftkv.pools", "pool base: a platform line"), ("error", "uvicorn.error", "the port is taken")]
     assert entries[-1]["worker"] == 1 and all(e["time"].endswith("Z") for e in entries)
 
 
@@ -160,8 +160,8 @@ def test_start_is_a_screenful_of_platform_lines(quiet_platform):
     own = re.compile(r"\d\d:\d\d:\d\d |Try:$|  curl -s |    -d ")
     assert all(own.match(line) for line in lines), "\n".join(lines)
     text = "\n".join(lines)
-    for said in ("engine and library logs: ", "pool prefill: starting the engine", "pool decode: engine for", "KV cache: ",
-                 f"SwiftKV is serving tiny (pools: prefill, decode) at {base}/v1"):
+    for said in ("engine and library logs: ", "pool swiftkv: starting the engine", "pool base: engine for", "KV cache: ",
+                 f"SwiftKV is serving tiny (pools: swiftkv, base) at {base}/v1"):
         assert said in text, text
 
 

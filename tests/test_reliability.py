@@ -18,7 +18,7 @@ import pytest
 from harness import free_port, metric, scrape, swiftkv_serve
 from harness.engines import KEY, PUBLIC, every_pool_ready
 
-# ~410 prompt tokens for 60 output tokens: a prompt/output ratio that routes to the prefill pool
+# ~410 prompt tokens for 60 output tokens: a prompt/output ratio that routes to the swiftkv pool
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 25)
 OUT = 60
 
@@ -76,15 +76,15 @@ def test_kill_9_of_an_engine_under_load(platform, capsys):
                    key=lambda p: p.create_time())
     assert len(cores) == 2
     started = re.findall(r"pool (\w+): engine for", "\n".join(platform.console_at_ready))
-    assert sorted(started) == ["decode", "prefill"]  # pools start one at a time: their cores in the order they came up
-    victim = cores[started.index("prefill")]  # the pool the load goes to by ratio
+    assert sorted(started) == ["base", "swiftkv"]  # pools start one at a time: their cores in the order they came up
+    victim = cores[started.index("swiftkv")]  # the pool the load goes to by ratio
 
     before, after = [], []
     threads = [threading.Thread(target=stream_once, args=(base, before, "stream")) for _ in range(6)]
     threads += [threading.Thread(target=complete_once, args=(client, before, "complete")) for _ in range(6)]
     for t in threads:
         t.start()
-    time.sleep(0.3)  # the load is running on the prefill engine
+    time.sleep(0.3)  # the load is running on the swiftkv engine
     victim.kill()
     platform.killed_engines += 1  # its shared memory outlives it: see test_quiet_start's stop
     killed_at = time.time()
@@ -116,12 +116,12 @@ def test_kill_9_of_an_engine_under_load(platform, capsys):
     while all((pools := httpx.get(f"{base}/ready").json()["pools"]).values()):
         assert time.time() < deadline, "the dead engine's pool stayed in routing"
         time.sleep(0.2)
-    assert pools == {"prefill": False, "decode": True}
+    assert pools == {"swiftkv": False, "base": True}
     assert httpx.get(f"{base}/health").status_code == 200  # the other pool still serves
     for prompt, max_tokens in ((PROMPT, 2), ("hi", 64)):  # routed to either pool by ratio: the live one answers
         raw = client.chat.completions.with_raw_response.create(model=PUBLIC, messages=[{"role": "user", "content": prompt}],
                                                                max_tokens=max_tokens, extra_body={"ignore_eos": True})
-        assert raw.status_code == 200 and "pool=decode;" in raw.headers["x-swiftkv-route"]
+        assert raw.status_code == 200 and "pool=base;" in raw.headers["x-swiftkv-route"]
     deadline = time.time() + 300
     while not every_pool_ready(base):
         assert time.time() < deadline, "the killed engine was not restarted"
@@ -132,11 +132,11 @@ def test_kill_9_of_an_engine_under_load(platform, capsys):
         print(f"\nkill -9 under load: {len(before)} in flight, {len(failed_before)} failed "
               f"(statuses {[r[1] for r in failed_before]}); {len(after)} sent after the kill, all 200; "
               f"retries on the other pool {retries:g}; /ready again after {ready_after:.1f} s")
-    r = client.chat.completions.create(model=f"{PUBLIC}-prefill", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+    r = client.chat.completions.create(model=f"{PUBLIC}-swiftkv", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                        extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
     text = httpx.get(f"{base}/metrics").text
-    running = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running{") and f'"{PUBLIC}-prefill"' in line]
+    running = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running{") and f'"{PUBLIC}-swiftkv"' in line]
     assert len(running) == 1  # the restarted engine's metrics replaced the dead one's
 
 
@@ -152,7 +152,7 @@ def limited_gateway(tmp_path: Path, name: str, tiny_base, key_line: str, redis_u
     (work / "keys").write_text(key_line + "\n")
     config = {"model": "m", "data_dir": str(work / "data"), "redis_url": None if via_env else redis_url,
               "health": {"period_seconds": 30.0},
-              "pools": {"decode": {"backend": "remote", "url": f"http://127.0.0.1:{free_port()}/v1", "model": str(tiny_base)}}}
+              "pools": {"base": {"backend": "remote", "url": f"http://127.0.0.1:{free_port()}/v1", "model": str(tiny_base)}}}
     server = swiftkv_serve(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys"),
                            env={"SWIFTKV_REDIS_URL": redis_url if via_env else ""})
     return server.start()

@@ -25,7 +25,7 @@ def generate(base: str, request: GenerateRequest, model: str = NAME, key: str = 
     """(backend, outputs, error) of one request through a RemoteBackend (started: it has probed the server)."""
 
     async def run():
-        backend = RemoteBackend("decode", base, model, api_key=key)
+        backend = RemoteBackend("base", base, model, api_key=key)
         try:
             if start:
                 await backend.start()
@@ -72,15 +72,15 @@ def test_the_servers_statuses_and_errors_are_passed_on(vllm_server):
 def test_the_gateway_answers_with_the_servers_status(vllm_server, tiny_base):
     """Through the gateway (in this process, real HTTP to vLLM): the client sees vLLM's 400, streamed or not,
     and the usage vLLM counted."""
-    cfg = PlatformConfig(model="m", pools={"decode": {"backend": "remote", "url": f"{vllm_server}/v1", "model": str(tiny_base),
-                                                      "served_model_name": NAME, "api_key": UPSTREAM_KEY,
-                                                      "engine_args": {"max_model_len": MAX_MODEL_LEN}}})
-    backends = {"decode": RemoteBackend("decode", cfg.pools["decode"].url, NAME, UPSTREAM_KEY)}
+    cfg = PlatformConfig(model="m", pools={"base": {"backend": "remote", "url": f"{vllm_server}/v1", "model": str(tiny_base),
+                                                    "served_model_name": NAME, "api_key": UPSTREAM_KEY,
+                                                    "engine_args": {"max_model_len": MAX_MODEL_LEN}}})
+    backends = {"base": RemoteBackend("base", cfg.pools["base"].url, NAME, UPSTREAM_KEY)}
     gateway = Gateway(cfg, backends, Prompter(str(tiny_base)), KeyStore({}))
 
     async def run():
-        await backends["decode"].start()
-        gateway.pools["decode"].ready = True
+        await backends["base"].start()
+        gateway.pools["base"].ready = True
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gateway)), base_url="http://gw", timeout=60) as c:
             ok = {"model": "m", "prompt": "hello", "max_tokens": 8, "ignore_eos": True}
             r = await c.post("/v1/completions", json=ok)
@@ -89,8 +89,8 @@ def test_the_gateway_answers_with_the_servers_status(vllm_server, tiny_base):
                 r = await c.post("/v1/completions", json={**ok, "logprobs": 2, "stream": stream})
                 assert r.status_code == 400, r.text
                 assert r.json()["error"]["type"] == "invalid_request_error" and "logprobs" in r.json()["error"]["message"]
-            assert gateway.pools["decode"].ready  # one refused request does not take the pool down
-        await backends["decode"].stop()
+            assert gateway.pools["base"].ready  # one refused request does not take the pool down
+        await backends["base"].stop()
 
     asyncio.run(run())
 

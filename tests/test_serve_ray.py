@@ -28,7 +28,7 @@ def test_ray_serve_pool_serves_after_warmup(tiny_base, tmp_path):
     config = {
         "model": "tiny",
         "port": port,
-        "pools": {"decode": {
+        "pools": {"base": {
             "model": str(tiny_base),
             "engine_args": {"max_model_len": 256, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 16 << 20},
             "replicas": {"min": 1, "max": 2, "target_ongoing_requests": 2, "max_ongoing_requests": 8, "num_cpus": 0.5},
@@ -60,7 +60,7 @@ def test_ray_serve_pool_serves_after_warmup(tiny_base, tmp_path):
         raw = client.chat.completions.with_raw_response.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                                                extra_body={"ignore_eos": True})
         assert raw.parse().usage.completion_tokens == 4
-        assert "pool=decode; reason=single" in raw.headers["x-swiftkv-route"]
+        assert "pool=base; reason=single" in raw.headers["x-swiftkv-route"]
         chunks = list(client.completions.create(model="tiny", prompt="Pack my box", max_tokens=3, stream=True, extra_body={"ignore_eos": True}))
         assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -69,7 +69,7 @@ def test_ray_serve_pool_serves_after_warmup(tiny_base, tmp_path):
         while "ray_vllm_" not in (text := _get(f"http://127.0.0.1:{metrics_port}/metrics")):
             assert time.time() < deadline, "no ray_vllm_ metrics exported"
             time.sleep(2)
-        assert 'model_name="tiny-decode"' in text
+        assert 'model_name="tiny-base"' in text
         # ... and on the gateway's /metrics under vLLM's own names, as stock dashboards expect
         deadline = time.time() + 60
         while True:
@@ -79,7 +79,7 @@ def test_ray_serve_pool_serves_after_warmup(tiny_base, tmp_path):
                 break
             assert time.time() < deadline, "engine metrics missing on the gateway"
             time.sleep(2)
-        assert 'model_name="tiny-decode"' in ttft[0] and "replica=" in ttft[0] and "SessionName" not in gw
+        assert 'model_name="tiny-base"' in ttft[0] and "replica=" in ttft[0] and "SessionName" not in gw
         names = {f.name for f in text_string_to_metric_families(gw)}  # the whole page parses as Prometheus text
         assert {"vllm:time_to_first_token_seconds", "swiftkv_time_to_first_token_seconds"} <= names
     finally:
@@ -100,7 +100,7 @@ def _get(url: str) -> str:
 
 
 # ---- a replica killed under load ---------------------------------------------------------------------------
-# ~100 prompt tokens for 64 output tokens: a prompt/output ratio that routes to the prefill pool (threshold 1.2), and
+# ~100 prompt tokens for 64 output tokens: a prompt/output ratio that routes to the swiftkv pool (threshold 1.2), and
 # requests long enough that the kill finds some with tokens already out
 FAULT_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 8)
 FAULT_OUT = 64
@@ -158,10 +158,10 @@ def _one_request(base: str, stream: bool, model: str = "tiny", timeout: float = 
 @pytest.mark.slow
 @pytest.mark.engine
 def test_replica_killed_under_load_is_replaced_and_requests_go_elsewhere(tiny_base, tmp_path, capsys):
-    """Two Ray Serve pools (one replica each); clients loop on requests that route to the prefill pool, and its
+    """Two Ray Serve pools (one replica each); clients loop on requests that route to the swiftkv pool, and its
     replica's worker process gets SIGKILL. No request is a 500; requests with no token out when the replica
-    died are retried on the decode pool; a stream cut mid-way ends with an error event and [DONE]; Serve
-    starts a new replica and the prefill pool serves again."""
+    died are retried on the base pool; a stream cut mid-way ends with an error event and [DONE]; Serve
+    starts a new replica and the swiftkv pool serves again."""
     import threading
 
     port, metrics_port = free_port(), free_port()
@@ -170,8 +170,8 @@ def test_replica_killed_under_load_is_replaced_and_requests_go_elsewhere(tiny_ba
     config = {
         "model": "tiny",
         "port": port,
-        "pools": {"prefill": {"model": str(tiny_base), "engine_args": engine, "replicas": replicas},
-                  "decode": {"model": str(tiny_base), "engine_args": engine, "replicas": replicas}},
+        "pools": {"swiftkv": {"model": str(tiny_base), "engine_args": engine, "replicas": replicas},
+                  "base": {"model": str(tiny_base), "engine_args": engine, "replicas": replicas}},
         "routing": {"ratio_threshold": 1.2},
         "health": {"period_seconds": 1.0},
     }
@@ -190,8 +190,8 @@ def test_replica_killed_under_load_is_replaced_and_requests_go_elsewhere(tiny_ba
                     break
             assert time.time() < deadline, (tmp_path / "serve.log").read_text()[-4000:]
             time.sleep(1)
-        [victim] = _replica_pids(proc.pid, "swiftkv-prefill")
-        assert _one_request(base, False)["pool"] == "prefill"
+        [victim] = _replica_pids(proc.pid, "swiftkv-swiftkv")
+        assert _one_request(base, False)["pool"] == "swiftkv"
 
         results: list[dict] = []
         stop_at = [float("inf")]
@@ -203,7 +203,7 @@ def test_replica_killed_under_load_is_replaced_and_requests_go_elsewhere(tiny_ba
         clients = [threading.Thread(target=loop, args=(s,)) for s in (True, False, True)]
         for t in clients:
             t.start()
-        time.sleep(3)  # the load runs on the prefill replica
+        time.sleep(3)  # the load runs on the swiftkv replica
         os.kill(victim, signal.SIGKILL)
         killed_at = time.time()
 
@@ -211,8 +211,8 @@ def test_replica_killed_under_load_is_replaced_and_requests_go_elsewhere(tiny_ba
         down_seen, recovered_at, probe_timeouts = False, None, 0
         deadline = killed_at + 420
         while recovered_at is None:
-            assert time.time() < deadline, "the prefill pool did not serve again:\n" + (tmp_path / "serve.log").read_text()[-4000:]
-            probe = _one_request(base, False, model="tiny-prefill", timeout=30)
+            assert time.time() < deadline, "the swiftkv pool did not serve again:\n" + (tmp_path / "serve.log").read_text()[-4000:]
+            probe = _one_request(base, False, model="tiny-swiftkv", timeout=30)
             if probe["status"] == 200:
                 recovered_at = probe["ended"]
             elif probe["status"] == "timeout":  # routed to the pool while it had no replica: queued in the handle
@@ -230,9 +230,9 @@ def test_replica_killed_under_load_is_replaced_and_requests_go_elsewhere(tiny_ba
             t.join(150)
             assert not t.is_alive(), "a request hung"
         after_recovery = [r for r in results if r["sent"] > ready_at]
-        [replacement] = _replica_pids(proc.pid, "swiftkv-prefill")
+        [replacement] = _replica_pids(proc.pid, "swiftkv-swiftkv")
         assert replacement != victim
-        retries = sum(v for k, v in _samples(base).items() if k.startswith("swiftkv_request_retries_total") and 'from_pool="prefill"' in k)
+        retries = sum(v for k, v in _samples(base).items() if k.startswith("swiftkv_request_retries_total") and 'from_pool="swiftkv"' in k)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -260,9 +260,9 @@ def test_replica_killed_under_load_is_replaced_and_requests_go_elsewhere(tiny_ba
     with capsys.disabled():
         print(f"\nRay replica kill -9 under load: {len(results)} requests, {len(failed)} failed "
               f"({[(r['stream'], r['status'], (r['error'] or {}).get('code')) for r in failed]}), "
-              f"{len(after)} sent after the kill all 200 (slowest {max(r['ended'] - r['sent'] for r in after):.1f} s; routed to: prefill {sum(r['pool'] == 'prefill' for r in after)}, "
-              f"decode {sum(r['pool'] == 'decode' for r in after)}), retries from prefill {retries:g}; pool down seen "
-              f"{down_seen}, probes timed out {probe_timeouts}; prefill served again {recovered_at - killed_at:.1f} s after the kill, /ready "
+              f"{len(after)} sent after the kill all 200 (slowest {max(r['ended'] - r['sent'] for r in after):.1f} s; routed to: swiftkv {sum(r['pool'] == 'swiftkv' for r in after)}, "
+              f"base {sum(r['pool'] == 'base' for r in after)}), retries from swiftkv {retries:g}; pool down seen "
+              f"{down_seen}, probes timed out {probe_timeouts}; swiftkv served again {recovered_at - killed_at:.1f} s after the kill, /ready "
               f"{ready_at - killed_at:.1f} s; {len(after_recovery)} after recovery all 200")
 
 

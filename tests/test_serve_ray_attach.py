@@ -97,7 +97,7 @@ def ray_head(tmp_path_factory):
 
 def chart_for_tiny(tiny_base: Path, tmp: Path) -> tuple[dict, dict]:
     """The chart rendered in its KubeRay mode with one pool on the tiny checkpoint: (serveConfigV2, platform.yaml)."""
-    values = {"platform": {"model": "tiny", "pools": {"prefill": None, "decode": {
+    values = {"platform": {"model": "tiny", "pools": {"swiftkv": None, "base": {
         "model": str(tiny_base), "engine_args": ENGINE_ARGS, "warmup": True,
         "replicas": {"min": 1, "max": 1, "target_ongoing_requests": 2, "max_ongoing_requests": 8, "num_cpus": 0.5, "num_gpus": 0}}}}}
     (tmp / "values.yaml").write_text(yaml.safe_dump(values))
@@ -112,7 +112,7 @@ def chart_for_tiny(tiny_base: Path, tmp: Path) -> tuple[dict, dict]:
 def test_gateway_attaches_to_the_rayservice_applications(ray_head, tiny_base, tmp_path):
     tool("helm")
     serve_config, platform = chart_for_tiny(tiny_base, tmp_path)
-    assert [app["name"] for app in serve_config["applications"]] == [platform["pools"]["decode"]["ray_app"]] == ["swiftkv-decode"]
+    assert [app["name"] for app in serve_config["applications"]] == [platform["pools"]["base"]["ray_app"]] == ["swiftkv-base"]
     port = free_port()
     platform |= {"host": "127.0.0.1", "port": port, "data_dir": str(tmp_path / "data"),
                  "health": {"period_seconds": 1, "max_backoff_seconds": 4}}
@@ -136,11 +136,11 @@ def test_gateway_attaches_to_the_rayservice_applications(ray_head, tiny_base, tm
             assert gateway.poll() is None, logs()
             with contextlib.suppress(httpx.HTTPError):
                 r = httpx.get(f"{base}/ready", timeout=2)
-                if r.status_code == 503 and "swiftkv-decode" in logs():
+                if r.status_code == 503 and "swiftkv-base" in logs():
                     break
             assert time.time() < deadline, logs()
             time.sleep(1)
-        assert r.json()["pools"] == {"decode": False}
+        assert r.json()["pools"] == {"base": False}
 
         # The RayService's part, done as KubeRay does: its serveConfigV2 submitted to the cluster.
         deployed = subprocess.run([str(BIN / "serve"), "run", str(tmp_path / "serve.yaml"), "--address", ray_head.address, "--non-blocking"],
@@ -156,7 +156,7 @@ def test_gateway_attaches_to_the_rayservice_applications(ray_head, tiny_base, tm
         raw = client.chat.completions.with_raw_response.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                                                extra_body={"ignore_eos": True})
         assert raw.parse().usage.completion_tokens == 4
-        assert "pool=decode" in raw.headers["x-swiftkv-route"]
+        assert "pool=base" in raw.headers["x-swiftkv-route"]
         chunks = list(client.completions.create(model="tiny", prompt="Pack my box", max_tokens=3, stream=True, extra_body={"ignore_eos": True}))
         assert chunks[-1].choices[0].finish_reason == "length"
     finally:
@@ -169,6 +169,6 @@ def test_gateway_attaches_to_the_rayservice_applications(ray_head, tiny_base, tm
         log.close()
     # The gateway only attached: the application outlives it, as the RayService's own.
     probe = ("import ray; from ray import serve; ray.init(address=%r, log_to_driver=False); "
-             "print(serve.status().applications['swiftkv-decode'].status)" % ray_head.address)
+             "print(serve.status().applications['swiftkv-base'].status)" % ray_head.address)
     status = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=ray_head.env, timeout=120)
     assert status.stdout.strip().endswith("RUNNING"), status.stdout + status.stderr

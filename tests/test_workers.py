@@ -26,8 +26,8 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 
 def remote_config(work: Path, url: str, tiny_base, **extra) -> dict:
     return {"model": "m", "port": free_port(), "data_dir": str(work / "data"), "health": {"period_seconds": 1.0, "shutdown_grace_seconds": 20.0},
-            "pools": {"decode": {"backend": "remote", "url": url, "model": str(tiny_base), "served_model_name": UPSTREAM,
-                                 "api_key": UPSTREAM_KEY, "engine_args": {"max_model_len": MAX_MODEL_LEN}}}, **extra}
+            "pools": {"base": {"backend": "remote", "url": url, "model": str(tiny_base), "served_model_name": UPSTREAM,
+                               "api_key": UPSTREAM_KEY, "engine_args": {"max_model_len": MAX_MODEL_LEN}}}, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -174,12 +174,12 @@ def test_sigterm_drains_every_worker_and_exits_0(workers):
 
 def test_in_process_engines_are_refused_with_several_workers(tiny_base, tmp_path):
     config = {"model": "m", "port": free_port(), "data_dir": str(tmp_path / "data"),
-              "pools": {"decode": {"model": str(tiny_base)}}}
+              "pools": {"base": {"model": str(tiny_base)}}}
     server = swiftkv_serve(tmp_path, config, "--engine", "inprocess", "--workers", "2").start()
     proc = server.proc
     assert proc.wait(60) != 0
     log = (tmp_path / "serve.log").read_text()
-    assert "--workers 2 with in-process engines (pools.decode)" in log and "--engine ray" in log and "backend: remote" in log
+    assert "--workers 2 with in-process engines (pools.base)" in log and "--engine ray" in log and "backend: remote" in log
 
 
 def test_several_workers_without_redis_warn_that_limits_are_per_worker(tiny_base, tmp_path):

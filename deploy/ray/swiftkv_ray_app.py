@@ -15,6 +15,6 @@ from services.serving.ray_backend import build_deployment
 
 
 def build(args: dict[str, Any]):
-    """args: {"pool": "prefill", "served_model_name": "...", "config": {<the pool's platform config>}}."""
+    """args: {"pool": "swiftkv", "served_model_name": "...", "config": {<the pool's platform config>}}."""
     pool = PoolConfig.model_validate(args["config"])
     return build_deployment(args["pool"], pool, args["served_model_name"])

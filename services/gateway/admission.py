@@ -16,7 +16,7 @@ from fastapi import Request
 
 from services.common.errors import APIError, bad_request
 from services.common.keys import KeyStore
-from services.config import PlatformConfig
+from services.config import RENAMED_POOLS, PlatformConfig
 from services.serving.backend import GenerateRequest
 
 from . import constraints, metrics
@@ -138,7 +138,10 @@ class Admission:
     def resolve_model(self, name: str) -> str | None:
         """The pool a model name pins (None: the public name, routed); a 404 for a name not served here."""
         if name not in self.models:
-            raise APIError(404, f"the model '{name}' does not exist; available: {', '.join(self.models)}",
+            public = self.cfg.model
+            renamed = {f"{public}-{old}": f"{public}-{new}" for old, new in RENAMED_POOLS.items()}.get(name)
+            hint = f" ('{name}' was renamed to '{renamed}')" if renamed in self.models else ""
+            raise APIError(404, f"the model '{name}' does not exist{hint}; available: {', '.join(self.models)}",
                            param="model", code="model_not_found")
         return self.models[name]
 

@@ -1,14 +1,15 @@
 """Route policy: which pool serves a request, and why.
 
-Prompt-heavy requests (prompt tokens / expected output tokens >= threshold) go to the `prefill` pool (the SwiftKV
-model, whose prefill is cheaper), the others to `decode`: that is the intent. Two predictions may override it:
+Prompt-heavy requests (prompt tokens / expected output tokens >= threshold) go to the `swiftkv` pool (the SwiftKV
+model, whose prefill is cheaper), the others to `base` (the base model): that is the intent. Two predictions may
+override it:
 
 - Load (`routing.balance`): each pool's predicted work is what its requests in flight still need (prompt tokens not
   yet prefilled, plus `decode_token_cost` per expected output token not yet ended) and this request's own. When the
   intended pool's exceeds the other's by more than `balance_margin_tokens`, the other serves: at capacity both
   engines stay busy (the intent alone left the base engine idle while the SwiftKV engine's queue grew), and at low
   load the intent stands. A faster pool drains its work sooner and so takes more.
-- Prefix cache (`routing.cache_aware`): the prompt tokens a pool holds cached (services.gateway.prefix_index) cost it
+- Prefix cache (`routing.cache_aware`): the prompt tokens a pool holds cached (services.common.prefix_index) cost it
   no prefill, so a conversation's next turn stays where its history is cached unless the other pool's predicted work
   is lower even with the cold prefill. Only the cached tokens beyond `prefix_min_distinct_tokens` count (a system
   prompt everyone shares must not pin traffic), and a pool's load counts against its cache (no hotspot).
@@ -31,17 +32,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from services.config import DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_TOKENS, RoutingConfig
+from services.common.prefix_index import PrefixIndex
+from services.config import DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_TOKENS, POOL_NAMES, RoutingConfig
 from services.serving.backend import Backend
 
 from . import metrics
-from .prefix_index import PrefixIndex
 
-PREFILL, DECODE = "prefill", "decode"
-# Where a batch line may move without losing quality: the config fixes the pools' roles by name (`prefill`
-# serves the SwiftKV model, `decode` its base model, sharing its tokenizer), and the base model is the quality
+SWIFTKV, BASE = POOL_NAMES
+# Where a batch line may move without losing quality: the config fixes the pools' roles by name (`swiftkv`
+# serves the SwiftKV model, `base` its base model, sharing its tokenizer), and the base model is the quality
 # reference. Never the reverse.
-STEER_TO = {PREFILL: DECODE}
+STEER_TO = {SWIFTKV: BASE}
 
 
 @dataclass
@@ -191,8 +192,8 @@ class RoutePolicy:
             if not only.ready:
                 raise NoPoolAvailable(f"pool {only.name} is not available")
             return Decision(only.name, "single", ratio, blocks)
-        chosen = PREFILL if ratio >= self.cfg.ratio_threshold else DECODE
-        other = DECODE if chosen == PREFILL else PREFILL
+        chosen = SWIFTKV if ratio >= self.cfg.ratio_threshold else BASE
+        other = BASE if chosen == SWIFTKV else SWIFTKV
         if not pools[chosen].ready:
             if not pools[other].ready:
                 raise NoPoolAvailable("no pool is available")

@@ -21,7 +21,7 @@ class FakeBackend:
     request it was sent (`requests`; none with `record` False, for a load test's millions) and counts `waiting` (at the
     gate), `served` (past the gate) and `aborted`."""
 
-    def __init__(self, name: str = "decode", tokens: int | None = 1, delay: float = 0.0, text: str = "x", *, chunk: int = 1,
+    def __init__(self, name: str = "base", tokens: int | None = 1, delay: float = 0.0, text: str = "x", *, chunk: int = 1,
                  gate: asyncio.Event | None = None, hold: Callable[[GenerateRequest], bool] | None = None,
                  script: Callable[[GenerateRequest], Iterable[Output]] | None = None, up: bool = True, record: bool = True,
                  cache: tuple[int, int] | None = None):

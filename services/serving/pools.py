@@ -55,6 +55,26 @@ def describe(pool: PoolConfig, engine: EngineKind, cpu_bind: str | None = None) 
     return f"in-process vLLM engine ({', '.join(budget)})"
 
 
+def remote_pool(name: str, pool: PoolConfig, cfg: PlatformConfig) -> Backend:
+    """One remote server, or several of one model with the replica chosen per request by its prefix and load."""
+    from .remote import RemoteBackend
+
+    model = pool.served_model_name or pool.model
+    if len(pool.urls) == 1:
+        return RemoteBackend(name, pool.urls[0], model, pool.api_key)
+    from urllib.parse import urlsplit
+
+    from services.config import DEFAULT_BLOCK_SIZE
+
+    from .replicas import ReplicaChooser, ReplicaSet
+
+    replicas = {urlsplit(url).netloc or url: RemoteBackend(name, url, model, pool.api_key) for url in pool.urls}
+    r = cfg.routing
+    chooser = ReplicaChooser(list(replicas), r.prefix_block_size or DEFAULT_BLOCK_SIZE, r.prefix_min_distinct_tokens,
+                             r.balance_margin_tokens, r.decode_token_cost)
+    return ReplicaSet(name, replicas, chooser)
+
+
 def build_backends(cfg: PlatformConfig, engine: EngineKind) -> dict[str, Backend]:
     backends: dict[str, Backend] = {}
     binds = cpu_binds(cfg, engine)
@@ -66,12 +86,10 @@ def build_backends(cfg: PlatformConfig, engine: EngineKind) -> dict[str, Backend
             note_triton()
     for name, pool in cfg.pools.items():
         served = cfg.served_name(name)
-        log.info("pool %s: %s as %s, %s", name, pool.url if pool.backend == "remote" else pool.model, served,
+        log.info("pool %s: %s as %s, %s", name, ", ".join(pool.urls) if pool.backend == "remote" else pool.model, served,
                  describe(pool, engine, binds.get(name)))
         if pool.backend == "remote":
-            from .remote import RemoteBackend
-
-            backends[name] = RemoteBackend(name, pool.url, pool.served_model_name or pool.model, pool.api_key)
+            backends[name] = remote_pool(name, pool, cfg)
         elif engine == "ray":
             from .ray_backend import RayBackend
 

@@ -46,11 +46,15 @@ class EngineReplica:
 
 
 def build_deployment(pool: str, cfg: PoolConfig, served_model_name: str):
-    """The Serve application of one pool (a small builder from config, as Ray Serve LLM does)."""
+    """The Serve application of one pool (a small builder from config, as Ray Serve LLM does). Requests reach the
+    replica their prompt's distinctive prefix ranks first, within a load bound (services/serving/ray_router.py)."""
+    from ray.serve.config import RequestRouterConfig
+
     r = cfg.replicas
     return EngineReplica.options(
         name=f"engine-{pool}",
         max_ongoing_requests=r.max_ongoing_requests,
+        request_router_config=RequestRouterConfig(request_router_class="services.serving.ray_router.PrefixAffinityRouter"),
         autoscaling_config={
             "min_replicas": r.min,
             "initial_replicas": max(r.min, 1),

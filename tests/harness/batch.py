@@ -13,7 +13,7 @@ from services.serving.fake import FakeBackend
 
 from .gateway import InProcessGateway, platform_config
 
-PROMPT_HEAVY = {"model": "m", "prompt": "hello " * 20, "max_tokens": 1}  # the ratio picks the SwiftKV pool ("prefill")
+PROMPT_HEAVY = {"model": "m", "prompt": "hello " * 20, "max_tokens": 1}  # the ratio picks the swiftkv pool (the SwiftKV model)
 
 
 def jsonl(items) -> bytes:
@@ -77,7 +77,7 @@ async def start_batch(c: httpx.AsyncClient, lines: int = 3) -> dict:
 
 
 def gated_gateway(tiny_base, data_dir, batch: dict | None = None, keys: tuple[str, ...] = (), **platform):
-    """The gateway with the Batch API over a SwiftKV pool ("prefill") and a base pool ("decode") of fake engines whose
+    """The gateway with the Batch API over the pools swiftkv and base of fake engines whose
     gates hold batch requests (priority > 0) before their first token, live ones answering at once; `batch` overrides
     batch settings, `keys` are the API keys (none: no key needed). -> (backends by pool, InProcessGateway)."""
     cfg = platform_config(tiny_base, max_model_len=64, data_dir=str(data_dir),

@@ -12,7 +12,7 @@ import httpx
 from .processes import Server, swiftkv_serve, vllm_openai_server
 
 MAX_MODEL_LEN = 512
-PUBLIC = "tiny"  # the platform's public model; its pools answer as tiny-prefill and tiny-decode
+PUBLIC = "tiny"  # the platform's public model; its pools answer as tiny-swiftkv and tiny-base
 KEY = "sk-test-main"
 ENV_ONLY_KEY = "sk-test-env-only"  # only in the SWIFTKV_API_KEYS_FILE file, which the --api-keys-file flag overrides
 # The batch settings of the shared platform: short windows for expiry, small bounds, fast polling.
@@ -33,15 +33,15 @@ def swiftkv_plugin_available() -> bool:
 
 
 def platform_config(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> dict:
-    """Two pools with priority scheduling: prefill (the SwiftKV model, one sequence at a time so requests queue and
-    priority decides who runs next; no tool-call parser) and decode (the base model, vLLM's hermes parser)."""
-    prefill = tiny_swiftkv if swiftkv_plugin_available() else tiny_base
+    """Two pools with priority scheduling: swiftkv (the SwiftKV model, one sequence at a time so requests queue and
+    priority decides who runs next; no tool-call parser) and base (the base model, vLLM's hermes parser)."""
+    swiftkv = tiny_swiftkv if swiftkv_plugin_available() else tiny_base
     return {
         "model": PUBLIC,
         "data_dir": str(work / "data"),
         "pools": {
-            "prefill": {"model": str(prefill), "engine_args": engine_args(scheduling_policy="priority", max_num_seqs=1)},
-            "decode": {"model": str(tiny_base), "engine_args": engine_args(scheduling_policy="priority"), "tool_call_parser": "hermes"},
+            "swiftkv": {"model": str(swiftkv), "engine_args": engine_args(scheduling_policy="priority", max_num_seqs=1)},
+            "base": {"model": str(tiny_base), "engine_args": engine_args(scheduling_policy="priority"), "tool_call_parser": "hermes"},
         },
         "routing": {"ratio_threshold": 4.0},
         "limits": {"max_body_bytes": 200_000},
@@ -73,7 +73,7 @@ def every_pool_ready(base: str) -> bool:
 
 
 def start_vllm_server(tiny_base: Path, work: Path) -> Server:
-    """vLLM's OpenAI server on the base checkpoint with the platform's decode engine arguments (sampling matches it
+    """vLLM's OpenAI server on the base checkpoint with the platform's base pool's engine arguments (sampling matches it
     token for token), its hermes tool parser and priority scheduling; plus a key, one logprob at most and three tokens
     per streamed chunk, which the remote backend's tests read."""
     a = engine_args()

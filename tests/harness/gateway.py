@@ -27,7 +27,7 @@ def pool_config(tiny_base: Path, max_model_len: int = 512, **fields) -> dict:
     return {"model": str(tiny_base), "engine_args": {"max_model_len": max_model_len}, **fields}
 
 
-def platform_config(tiny_base: Path, pools=("prefill", "decode"), max_model_len: int = 512, **fields) -> PlatformConfig:
+def platform_config(tiny_base: Path, pools=("swiftkv", "base"), max_model_len: int = 512, **fields) -> PlatformConfig:
     """A platform over the tiny checkpoint's tokenizer: its pools (names, or name -> pool fields), the rest as given."""
     if not isinstance(pools, dict):
         pools = {name: {} for name in pools}
@@ -49,7 +49,7 @@ class InProcessGateway:
 
         self.cfg = cfg
         self.backends = backends if backends is not None else {name: FakeBackend(name) for name in cfg.pools}
-        pool = cfg.pools.get("decode") or next(iter(cfg.pools.values()))
+        pool = cfg.pools.get("base") or next(iter(cfg.pools.values()))
         self.gateway = Gateway(cfg, self.backends, Prompter(pool.tokenizer or pool.model), KeyStore(load_keys(",".join(keys), None)))
         if ready:
             for state in self.gateway.pools.values():
@@ -133,7 +133,7 @@ class ThreadedServer:
 
 
 @contextlib.contextmanager
-def served_gateway(tiny_base: Path, data_dir: Path, pools=("prefill", "decode"), max_model_len: int = 512, *, fake: dict | None = None,
+def served_gateway(tiny_base: Path, data_dir: Path, pools=("swiftkv", "base"), max_model_len: int = 512, *, fake: dict | None = None,
                    keys: tuple[str, ...] = (), batch: bool = True, **fields) -> Iterator[ThreadedServer]:
     """The app served from a thread (ThreadedServer) over a FakeBackend per pool, each made with the options `fake`;
     its config from `pools`, `max_model_len` and `fields` (platform_config) with its data in `data_dir`, and `keys`

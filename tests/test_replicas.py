@@ -1,0 +1,160 @@
+"""Replica choice inside a pool of several servers (services/serving/replicas.py): prefix affinity by rendezvous hashing
+of the distinctive prefix, bounded by load; a replica down is left out. The chooser alone, then a ReplicaSet of real
+RemoteBackends over two real HTTP servers (the gateway's app over the fake backend, as OpenAI-compatible upstreams)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+from harness.gateway import PUBLIC, platform_config, served_gateway
+
+from services.serving.backend import BackendDown, GenerateRequest, SamplingOptions
+from services.serving.pools import remote_pool
+from services.serving.remote import RemoteBackend
+from services.serving.replicas import AFFINITY, LEAST_LOADED, SPILL, ReplicaChooser, ReplicaSet, rendezvous
+
+BS = 16
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 400) for _ in range(n)]
+
+
+def request(prompt: list[int], max_tokens: int = 8) -> GenerateRequest:
+    return GenerateRequest(f"r{random.random()}", prompt, SamplingOptions(max_tokens=max_tokens))
+
+
+def chooser(replicas=("a", "b"), **fields) -> ReplicaChooser:
+    return ReplicaChooser(list(replicas), **({"block_size": BS, "min_distinct_tokens": 64, "load_margin_tokens": 1000} | fields))
+
+
+def test_a_conversations_turns_keep_to_one_replica_and_conversations_spread():
+    c = chooser()
+    homes = []
+    for conversation in range(200):
+        history = tokens(100, conversation)
+        turns = [c.choose(request(history + tokens(20 * k, 1000 + k))) for k in range(1, 4)]
+        assert len({replica for replica, _ in turns}) == 1 and {reason for _, reason in turns} == {AFFINITY}
+        homes.append(turns[0][0])
+    assert 70 <= Counter(homes)["a"] <= 130  # rendezvous hashing: an even spread, not one replica
+
+
+def test_a_shared_system_prompt_shorter_than_the_distinctive_minimum_spreads():
+    c = chooser()
+    system = tokens(60, 1)  # under 64 tokens + one block: the key includes each user's own tokens
+    homes = Counter(c.choose(request(system + tokens(50, u)))[0] for u in range(100))
+    assert min(homes.values()) >= 30
+
+
+def test_affinity_is_the_same_in_every_gateway_process_and_moves_little_when_a_replica_goes():
+    one, two = chooser(("a", "b", "c")), chooser(("a", "b", "c"))
+    prompts = [tokens(200, s) for s in range(60)]
+    assert [one.choose(request(p)) for p in prompts] == [two.choose(request(p)) for p in prompts]
+    before = {i: one.choose(request(p))[0] for i, p in enumerate(prompts)}
+    one.up["c"] = False
+    after = {i: one.choose(request(p))[0] for i, p in enumerate(prompts)}
+    assert {i for i in before if before[i] != after[i]} == {i for i in before if before[i] == "c"}
+    assert rendezvous(b"k", ["a", "b", "c"]) == rendezvous(b"k", ["c", "b", "a"])
+
+
+def test_a_popular_prefix_spills_to_the_next_replica_beyond_the_load_margin():
+    c = chooser()
+    document = tokens(300, 5)
+    first, reason = c.choose(request(document + tokens(10, 1)))
+    assert reason == AFFINITY
+    other = "b" if first == "a" else "a"
+    c.work[first] = 1000  # within the margin of the idle replica: the cache still wins
+    assert c.choose(request(document + tokens(10, 2))) == (first, AFFINITY)
+    c.work[first] = 1001
+    assert c.choose(request(document + tokens(10, 3))) == (other, SPILL)
+
+
+def test_short_prompts_go_to_the_least_loaded_in_turn():
+    c = chooser()
+    assert c.key(tokens(79, 1)) is None and c.key(tokens(80, 1)) is not None  # 64 tokens + the block past them
+    picks = [c.choose(request(tokens(10, s)))[0] for s in range(4)]
+    assert sorted(picks) == ["a", "a", "b", "b"]
+    c.work["a"] = 5
+    assert c.choose(request(tokens(10, 9))) == ("b", LEAST_LOADED)
+    c.up["b"] = False
+    assert c.choose(request(tokens(10, 9)))[0] == "a"
+    c.up["a"] = False
+    with pytest.raises(BackendDown):
+        c.choose(request(tokens(10, 9)))
+
+
+def test_a_remote_pool_of_several_urls_is_a_replica_set(tiny_base):
+    one = platform_config(tiny_base, {"base": {"backend": "remote", "url": "http://h1:8000"}})
+    assert isinstance(remote_pool("base", one.pools["base"], one), RemoteBackend)
+    cfg = platform_config(tiny_base, {"base": {"backend": "remote", "url": ["http://h1:8000", "http://h2:8000/v1"]}},
+                          routing={"prefix_block_size": 32, "prefix_min_distinct_tokens": 100})
+    pool = remote_pool("base", cfg.pools["base"], cfg)
+    assert isinstance(pool, ReplicaSet) and list(pool.replicas) == ["h1:8000", "h2:8000"]
+    assert (pool.chooser.block_size, pool.chooser.min_distinct_tokens) == (32, 100)
+    with pytest.raises(ValueError, match="lists a server twice"):
+        platform_config(tiny_base, {"base": {"backend": "remote", "url": ["http://h1:8000", "http://h1:8000"]}})
+
+
+def test_replicas_over_http_keep_affinity_and_route_around_a_replica_that_is_down(tiny_base, tmp_path):
+    """Two real upstream servers: a conversation's turns all reach one; when that one stops answering, the next turn
+    reaches the other and the pool keeps serving; with both gone the pool is down."""
+    with served_gateway(tiny_base, tmp_path / "u1", batch=False) as u1, served_gateway(tiny_base, tmp_path / "u2", batch=False) as u2:
+        upstreams = {f"127.0.0.1:{u1.port}": u1, f"127.0.0.1:{u2.port}": u2}
+        replicas = {name: RemoteBackend("up", f"http://{name}", PUBLIC) for name in upstreams}
+        pool = ReplicaSet("up", replicas, chooser(tuple(replicas)))
+
+        def served_by() -> dict[str, int]:
+            return {name: sum(len(b.requests) for b in u.served.backends.values()) for name, u in upstreams.items()}
+
+        async def turn(prompt: list[int]) -> int:
+            n = 0
+            async for out in pool.generate(request(prompt, max_tokens=3)):
+                n += sum(c.num_tokens for c in out.choices)
+            return n
+
+        async def run():
+            await pool.start()
+            history = tokens(120, 7)
+            for k in range(3):
+                assert await turn(history + tokens(10 * (k + 1), k)) == 1  # the fake answers one token
+            counts = served_by()
+            home = max(counts, key=counts.get)
+            assert counts[home] == 3 and sum(counts.values()) == 3
+            await asyncio.to_thread(upstreams[home].__exit__, None, None, None)  # that server goes away
+            assert await turn(history + tokens(40, 9)) == 1
+            other = next(name for name in upstreams if name != home)
+            assert served_by()[other] == 1 and not pool.chooser.up[home]
+            assert await pool.health()  # the pool serves on
+            await asyncio.to_thread(upstreams[other].__exit__, None, None, None)
+            with pytest.raises(BackendDown):
+                await turn(history + tokens(50, 10))
+            assert not await pool.health()
+            await pool.stop()
+
+        asyncio.run(run())
+
+
+def test_the_ray_serve_router_ranks_the_prefixs_replica_first_within_the_load_bound():
+    """Ray Serve's router (services/serving/ray_router.py) ranks candidates as the remote pools choose: the prefix's
+    rendezvous order, one replica per rank, those loaded beyond `max_imbalance` requests last; no prefix: one rank."""
+    from types import SimpleNamespace
+
+    from services.serving.ray_router import rank
+
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=u)) for u in ("r1", "r2", "r3")]
+    pending = lambda prompt: SimpleNamespace(args=[request(prompt)])  # noqa: E731 - Ray's PendingRequest: args, kwargs
+    queue = dict.fromkeys(("r1", "r2", "r3"), 0)
+    ranked = rank(replicas, pending(tokens(300, 1)), 16, 64, 4, lambda r: queue[r.replica_id.unique_id])
+    order = [r.replica_id.unique_id for (r,) in ranked]
+    assert order == rendezvous(ReplicaChooser(["x"], BS, 64).key(tokens(300, 1)), ["r1", "r2", "r3"])
+    assert order == [r.replica_id.unique_id for (r,) in rank(replicas, pending(tokens(300, 1) + tokens(50, 2)), 16, 64, 4,
+                                                            lambda r: queue[r.replica_id.unique_id])]  # a later turn
+    queue[order[0]] = 5  # 5 beyond the least loaded: past the bound
+    again = rank(replicas, pending(tokens(300, 1)), 16, 64, 4, lambda r: queue[r.replica_id.unique_id])
+    assert [r.replica_id.unique_id for r in again[-1]] == [order[0]] and len(again) == 3
+    assert rank(replicas, pending(tokens(20, 1)), 16, 64, 4, lambda r: 0) == [replicas]  # too short: Ray's own choice
+    assert rank(replicas, SimpleNamespace(args=[]), 16, 64, 4, lambda r: 0) == [replicas]
