@@ -55,6 +55,7 @@ from typing import Callable
 import yaml
 
 from loadtest import speculation as spec
+from loadtest.prefix_cache import prefix_cache
 from loadtest.workloads import WORKLOADS, Request, generate, summary
 from services.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN
 
@@ -543,7 +544,7 @@ def config_summary(per_rate: dict[float, dict], reference_rate: float) -> dict:
             "goodput_rps": ref["goodput_rps"], "errors": sum(v["errors"] for v in per_rate.values()),
             "throughput_tok_s": per_rate[at]["throughput_tok_s"], "throughput_rate": at,
             "highest_sustained_rate": sustained[-1] if sustained else None, "pool_share": ref["pool_share"],
-            "speculation": ref.get("speculation", {}),
+            "speculation": ref.get("speculation", {}), "prefix_cache": ref.get("prefix_cache", {}),
             "rates": {str(r): {k: v for k, v in f.items() if k != "ttft_all_s"} for r, f in sorted(per_rate.items())}}
 
 
@@ -612,7 +613,9 @@ def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[d
                     records, span = asyncio.run(drive(base, names, reqs, cfg.request_timeout_s, lambda rec, t=task: progress.advance(t),
                                                       cfg.api_key))
                     per_rate[rate] = figures(records, span, rate, cfg)
-                    drafted = spec.speculation(before, spec.scrape(base, cfg.api_key))
+                    after = spec.scrape(base, cfg.api_key)
+                    drafted = spec.speculation(before, after)
+                    per_rate[rate]["prefix_cache"] = prefix_cache(before, after, None if cfg.target is not None else PUBLIC)
                     # our own configurations' engines are named <public>-<pool>: keyed by pool, as pool_share is
                     per_rate[rate]["speculation"] = drafted if cfg.target is not None else {
                         m.removeprefix(f"{PUBLIC}-"): v for m, v in drafted.items()}
@@ -622,7 +625,9 @@ def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[d
                         + (f", TTFT p50 first turns {per_rate[rate]['ttft_p50_first_turn_s']} s, later turns "
                            f"{per_rate[rate]['ttft_p50_later_turns_s']} s" if "ttft_p50_first_turn_s" in per_rate[rate] else "")
                         + (", draft acceptance {}, mean accepted length {}".format(*spec.cells(per_rate[rate]["speculation"]))
-                           if any(v["speculative"] for v in drafted.values()) else ""))
+                           if any(v["speculative"] for v in drafted.values()) else "")
+                        + "".join(f", {pool} prefix-cache hits {c['hit_rate']} (gateway predicted {c['predicted_hit_rate']})"
+                                  for pool, c in per_rate[rate]["prefix_cache"].items() if c["queries"]))
                     silent = [p for p in ("swiftkv", "base") if not per_rate[rate]["speculation"].get(p, {}).get("speculative")]
                     if name in SPECULATING and silent:  # its figures would read as "did not speculate"
                         log(f"{name} @ {rate:g} req/s: warning: /metrics shows no speculative decoding for pool(s) "

@@ -317,6 +317,8 @@ def test_platform_run_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
     routed = report["configs"]["routed-cache"]["rates"]["4.0"]
     assert set(routed["pool_share"]) <= {"swiftkv", "base"} and routed["pool_share"].get("swiftkv", 0) > 0
     assert set(routed["route_reasons"]) <= {"ratio", "backlog", "prefix"} and routed["route_reasons"].get("ratio", 0) > 0
+    # each pool's prefix-cache lookups, from vLLM's counters, beside what the gateway's index predicted
+    assert routed["prefix_cache"]["swiftkv"]["queries"] > 0 and routed["prefix_cache"]["swiftkv"]["predicted_hit_rate"] is not None
     f = report["configs"]["base"]["rates"]["4.0"]
     assert f["pool_share"] == {"base": 0.5, "swiftkv": 0.5} and f["route_reasons"] == {"pinned": 8}
     for png in report["plots"]:
@@ -415,6 +417,36 @@ def test_speculation_from_two_scrapes():
                       RAY_METRICS.format(d1=30, d2=20, t1=60, t2=40, a1=25, a2=10, p10=18, p11=7, p20=8, p21=2))
     assert ray == {"m-ray": {"speculative": True, "drafts": 40, "draft_tokens": 80, "accepted_tokens": 30, "acceptance_rate": 0.375,
                              "mean_accepted_length": 1.75, "acceptance_by_position": [0.55, 0.2]}}
+
+
+PREFIX_METRICS = """\
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{{engine="0",model_name="swiftkv-bench-swiftkv"}} {q}
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{{engine="0",model_name="swiftkv-bench-swiftkv"}} {h}
+# TYPE swiftkv_route_prefix_cached_tokens counter
+swiftkv_route_prefix_cached_tokens_total{{pool="swiftkv"}} {p}
+# TYPE swiftkv_prompt_tokens counter
+swiftkv_prompt_tokens_total{{model="m",pool="swiftkv",source="live"}} {t}
+swiftkv_prompt_tokens_total{{model="m",pool="swiftkv",source="batch"}} 100
+swiftkv_prompt_tokens_total{{model="m",pool="base",source="live"}} {t}
+"""
+
+
+def test_prefix_cache_hits_and_the_gateways_prediction_from_two_scrapes():
+    """Per pool over the run: vLLM's prefix-cache hit rate (hits / queries, tokens) beside the gateway's predicted one
+    (tokens its index expected cached / prompt tokens dispatched there)."""
+    from loadtest.prefix_cache import prefix_cache
+
+    before = PREFIX_METRICS.format(q=1000, h=100, p=50, t=1000)
+    after = PREFIX_METRICS.format(q=5000, h=2100, p=1850, t=5000)
+    got = prefix_cache(before, after, "swiftkv-bench")
+    assert got["swiftkv"] == {"queries": 4000, "hits": 2000, "hit_rate": 0.5, "predicted_cached": 1800, "predicted_hit_rate": 0.45}
+    assert got["base"] == {"queries": 0, "hits": 0, "hit_rate": None, "predicted_cached": 0, "predicted_hit_rate": 0.0}
+    assert prefix_cache(None, before, "swiftkv-bench")["swiftkv"]["hit_rate"] == 0.1  # no page before: from zero
+    restarted = prefix_cache(after, before, "swiftkv-bench")["swiftkv"]  # counters fell: counted from zero
+    assert (restarted["queries"], restarted["hits"]) == (1000, 100)
+    assert "swiftkv-bench-swiftkv" in prefix_cache(before, after)  # a target: engine names as they are
 
 
 @pytest.fixture(scope="module")
