@@ -1,7 +1,8 @@
 """Shared fixtures: tiny checkpoints are built once per test session (no downloads, a few seconds), and the real
 engines the `engine` tests share are started once per run, on first use: `platform` (one `swiftkv serve --engine
-inprocess` with two pools) and `vllm_server` (vLLM's own OpenAI server). Tests marked `last` run after every other
-test, in the order their marker gives: they kill an engine of the shared platform, then stop it."""
+inprocess` with two pools), `vllm_server` (vLLM's own OpenAI server) and `offline_engines` (vLLM's offline LLM, one at a
+time). Tests marked `last` run after every other test, in the order their marker gives: they kill an engine of the
+shared platform, then stop it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
-from harness.engines import start_platform, start_vllm_server
+from harness.engines import OfflineEngines, start_platform, start_vllm_server
 from harness.postgres import fresh_postgres_database
 
 from swiftkv_core.convert import convert
@@ -109,6 +110,17 @@ def vllm_server(tiny_base, tmp_path_factory):
         yield server.base
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def offline_engines():
+    """vLLM's offline engines on the tiny checkpoints, one alive at a time (harness.engines.OfflineEngines): the one a
+    module leaves running serves the next module that asks for the same engine."""
+    engines = OfflineEngines()
+    try:
+        yield engines
+    finally:
+        engines.close()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -460,7 +460,7 @@ def test_kill_9_mid_batch_then_restart_resumes_exactly_once(upstream, tiny_base,
     with crash_platform(tmp_path, "crash", upstream, tiny_base, tmp_path / "data") as p:
         p.start().wait(timeout=120)
         client = p.client(KEY_A)
-        lines = batch_lines(80)
+        lines = batch_lines(40)  # 10 s of work (2 in flight, half a second each): the kill comes after 3
         b = submit(client, lines)
         wait_for(client, b.id, lambda x: x.request_counts.completed >= 3)
         p.kill9()

@@ -1,7 +1,8 @@
 """`swiftkv bench platform`: the workload generator (lengths on target, seeds reproduce, the text is real
-text from a prepared corpus) and a short run of the whole tool on the tiny fixtures: three `swiftkv serve`
-processes with real engines, driven with the openai client, JSON report and plots checked. Then one server
-started alone, driven through --target, and the cross-check against guidellm (loadtest.crosscheck) on it."""
+text from a prepared corpus) and a short run of the whole tool on the tiny fixtures: `swiftkv serve` processes with
+real engines started by the tool, driven with the openai client, JSON report and plots checked. Then the run's shared
+platform (conftest's `platform`) driven through --target: the load test, the soak and the cross-check against guidellm
+(loadtest.crosscheck)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+from harness.engines import KEY
+from harness.engines import PUBLIC as SHARED_MODEL  # the shared platform's public model
 from transformers import AutoTokenizer
 
 from swiftkv_core import data as D
@@ -450,32 +453,27 @@ def test_prefix_cache_hits_and_the_gateways_prediction_from_two_scrapes():
 
 
 @pytest.fixture(scope="module")
-def running(tiny_base, tiny_swiftkv, tmp_path_factory):
-    """One `swiftkv serve` of the routed configuration, started as the load test starts its own, left running
-    for the tools that are pointed at it."""
-    from loadtest.platform_bench import PlatformBenchConfig, serve
-
-    cfg = PlatformBenchConfig(base_model=str(tiny_base), swiftkv_model=str(tiny_swiftkv), max_model_len=512, dtype="float32",
-                              kv_cache_bytes=32 << 20)
-    with serve("routed", cfg, tmp_path_factory.mktemp("running"), lambda m: None) as base:
-        yield base
+def running(platform) -> str:
+    """The tools pointed at a running server get the run's shared platform (two engine pools, keys required)."""
+    return platform.base
 
 
 @needs_manpages
 @pytest.mark.slow
 @pytest.mark.engine
 def test_platform_run_against_a_target(running, tiny_base, corpus, tmp_path):
-    r = swiftkv("--target", running, "--target-model", "swiftkv-bench", "--tokenizer", str(tiny_base), "--workload", "chat",
+    r = swiftkv("--target", running, "--target-model", SHARED_MODEL, "--api-key", KEY, "--tokenizer", str(tiny_base), "--workload", "chat",
                 "--rate", "4", "--count", "6", "--scale", "0.1", "--text", str(corpus), "--json", "--no-progress",
                 "--base-model", str(tmp_path / "unused"), "--configs", "ignored")
     assert r.returncode == 0, r.stderr[-4000:]
     report = json.loads(r.stdout)
-    name = f"swiftkv-bench@{running.split('://')[1]}"
-    assert list(report["configs"]) == [name] and report["target"] == {"url": running, "model": "swiftkv-bench"}
+    name = f"{SHARED_MODEL}@{running.split('://')[1]}"
+    assert list(report["configs"]) == [name] and report["target"] == {"url": running, "model": SHARED_MODEL}
     f = report["configs"][name]["rates"]["4.0"]
     assert f["completed"] == f["requests"] == 6 and f["ttft_p50_s"] > 0 and f["output_tok_s"] > 0
     assert set(f["pool_share"]) <= {"swiftkv", "base"}  # the gateway's route header, read as in its own runs
-    r = swiftkv("--target", running, "--target-model", "nope", "--tokenizer", str(tiny_base), "--text", str(corpus), "--no-progress")
+    r = swiftkv("--target", running, "--target-model", "nope", "--api-key", KEY, "--tokenizer", str(tiny_base), "--text", str(corpus),
+                "--no-progress")
     assert r.returncode == 2 and "does not serve 'nope'" in r.stderr
 
 
@@ -493,8 +491,8 @@ def test_crosscheck_with_guidellm(running, tiny_base, corpus, tmp_path):
     n, p_tok, o_tok = 10, 64, 16
     out = tmp_path / "crosscheck.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}
-    r = subprocess.run([sys.executable, "-m", "loadtest.crosscheck", "--target", running, "--target-model", "swiftkv-bench",
-                        "--tokenizer", str(tiny_base), "--text", str(corpus), "--profile", "constant", "--rate", "4", "--count", str(n),
+    r = subprocess.run([sys.executable, "-m", "loadtest.crosscheck", "--target", running, "--target-model", SHARED_MODEL,
+                        "--api-key", KEY, "--tokenizer", str(tiny_base), "--text", str(corpus), "--profile", "constant", "--rate", "4", "--count", str(n),
                         "--prompt-tokens", str(p_tok), "--output-tokens", str(o_tok), "--warmup", "2", "--out", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -525,19 +523,19 @@ def test_crosscheck_with_guidellm(running, tiny_base, corpus, tmp_path):
 @needs_manpages
 @pytest.mark.engine
 def test_span_starts_at_the_first_send(running, corpus, tokenizer):
-    """Throughput is counted from the first request sent, as guidellm counts it: requests arriving 5 s into the
-    run do not add those 5 idle seconds to the span."""
+    """Throughput is counted from the first request sent, as guidellm counts it: requests arriving 3 s into the
+    run do not add those 3 idle seconds to the span."""
     import asyncio
 
     from loadtest.platform_bench import drive
 
     reqs = fixed(corpus, tokenizer, 10.0, 2, 32, 4, 0, "constant")  # arrivals at 0.1 and 0.2 s
-    late = [dataclasses.replace(r, arrival_s=r.arrival_s + 5.0) for r in reqs]
-    records, span = asyncio.run(drive(running, ["swiftkv-bench"], late, 120, lambda rec: None))
+    late = [dataclasses.replace(r, arrival_s=r.arrival_s + 3.0) for r in reqs]
+    records, span = asyncio.run(drive(running, [SHARED_MODEL], late, 120, lambda rec: None, KEY))
     assert all(r.error is None for r in records), records
     last_finish = max(r.sent_s + r.e2e_s for r in records)
     assert abs(span - (last_finish - late[0].arrival_s)) < 0.5, (span, last_finish)
-    assert span < 5.0
+    assert span < 3.0
 
 
 def soak(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -562,17 +560,18 @@ def test_soak_refuses_bad_options(tiny_base):
 @needs_manpages
 @pytest.mark.slow
 @pytest.mark.engine
-def test_soak_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
-    """A 20-second soak of the routed configuration sampled every 5 s: four rows of gateway and engine RSS and
-    fds, TTFT and requests, no error, the trend and verdict, the PNG and the markdown table."""
+def test_soak_on_tiny_models(platform, tiny_base, corpus, tmp_path):
+    """An 8-second soak of the shared platform (--target, its gateway sampled by --gateway-pid) sampled every 2 s:
+    four rows of gateway and engine RSS and fds, TTFT and requests, no error, the trend and verdict, the PNG and the
+    markdown table. The soak starting a platform of its own is test_soak_stops_the_platform_on_ctrl_c."""
     out = tmp_path / "soak" / "soak.json"
-    r = soak("--rate", "1", "--duration", "20", "--interval", "5", "--scale", "0.1", "--warmup", "1",
-             "--base-model", str(tiny_base), "--swiftkv-model", str(tiny_swiftkv), "--text", str(corpus),
-             "--max-model-len", "512", "--kv-cache-mib", "32", "--dtype", "float32", "--out", str(out))
+    r = soak("--rate", "2", "--duration", "8", "--interval", "2", "--scale", "0.1", "--warmup", "1",
+             "--target", platform.base, "--target-model", SHARED_MODEL, "--api-key", KEY, "--gateway-pid", str(platform.proc.pid),
+             "--tokenizer", str(tiny_base), "--text", str(corpus), "--out", str(out))
     assert r.returncode == 0, r.stderr[-4000:]
     report = json.loads(out.read_text())
     rows, totals = report["rows"], report["totals"]
-    assert len(rows) == 4 and [row["minute"] for row in rows] == [round(5 * k / 60, 2) for k in (1, 2, 3, 4)]
+    assert len(rows) == 4 and [row["minute"] for row in rows] == [round(2 * k / 60, 2) for k in (1, 2, 3, 4)]
     for row in rows:
         for key in ("gateway_rss_mib", "engine_rss_mib", "gateway_fds", "engine_fds"):
             assert isinstance(row[key], (int, float)) and row[key] > 0, (key, row)
@@ -585,8 +584,9 @@ def test_soak_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
     assert sum(row["ttft_n"] for row in rows) >= 3
     assert totals["errors"] == 0 and totals["planned"] == totals["finished"] == totals["completed"] == sum(row["done"] for row in rows) > 5
     assert totals["ttft_p50_s"] > 0 and totals["output_tokens"] > 0 and set(totals["pool_share"]) <= {"swiftkv", "base"}
-    assert report["machine"]["cpu_model"] and report["server"]["config"] == "routed" and not report["interrupted"]
-    assert report["traffic"]["workload"] == "mixed" and report["command"].startswith("python -m loadtest.soak --rate 1")
+    assert report["machine"]["cpu_model"] and not report["interrupted"]
+    assert report["server"]["target"] == platform.base and report["server"]["sampled_pid"] == platform.proc.pid
+    assert report["traffic"]["workload"] == "mixed" and report["command"].startswith("python -m loadtest.soak --rate 2")
     trend = report["trend"]
     assert trend["points"] == 3 and set(trend["within"]) == {"gateway_rss_mib", "engine_rss_mib", "gateway_fds", "engine_fds"}
     assert isinstance(trend["no_growth"], bool)
@@ -608,7 +608,7 @@ def test_soak_stops_the_platform_on_ctrl_c(tiny_base, tiny_swiftkv, corpus, tmp_
 
     out = tmp_path / "soak.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}
-    proc = subprocess.Popen([sys.executable, "-m", "loadtest.soak", "--rate", "1", "--duration", "120", "--interval", "4",
+    proc = subprocess.Popen([sys.executable, "-m", "loadtest.soak", "--rate", "1", "--duration", "120", "--interval", "2",
                              "--scale", "0.1", "--warmup", "0", "--base-model", str(tiny_base), "--swiftkv-model", str(tiny_swiftkv),
                              "--text", str(corpus), "--max-model-len", "512", "--kv-cache-mib", "32", "--dtype", "float32",
                              "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)

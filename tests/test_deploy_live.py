@@ -85,19 +85,25 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(platform,
             assert time.time() < deadline, "batch did not complete"
             time.sleep(0.5)
         wait_status(trainer_client, job.id, ("succeeded",))
-        time.sleep(4)  # a few scrapes after the last request
 
         rule = find(render(), "PrometheusRule")[0]
         alert_exprs = [(r["alert"], _promql_left_side(r["expr"])) for g in rule["spec"]["groups"] for r in g["rules"]]
-        empty = []
-        for title, expr in dashboards.queries(with_optional=False) + alert_exprs:  # no pool here speculates
-            query = expr.replace("$__rate_interval", "1m")
-            body = httpx.get(f"{api}/query", params={"query": query}, timeout=10).json()
-            assert body["status"] == "success", (title, query, body)
-            values = [float(r["value"][1]) for r in body["data"]["result"]]
-            if not any(v == v for v in values):  # no series, or only NaN
-                empty.append(f"{title}: {query}")
-        assert not empty, "queries without data:\n" + "\n".join(empty)
+
+        def without_data() -> list[str]:
+            empty = []
+            for title, expr in dashboards.queries(with_optional=False) + alert_exprs:  # no pool here speculates
+                query = expr.replace("$__rate_interval", "1m")
+                body = httpx.get(f"{api}/query", params={"query": query}, timeout=10).json()
+                assert body["status"] == "success", (title, query, body)
+                values = [float(r["value"][1]) for r in body["data"]["result"]]
+                if not any(v == v for v in values):  # no series, or only NaN
+                    empty.append(f"{title}: {query}")
+            return empty
+
+        deadline = time.time() + 30  # the last requests' series need a few scrapes (every second) for their rate()
+        while empty := without_data():
+            assert time.time() < deadline, "queries without data:\n" + "\n".join(empty)
+            time.sleep(1)
         trained = httpx.get(f"{api}/query", params={"query": "sum(swiftkv_training_tokens_total)"}, timeout=10).json()["data"]["result"]
         assert float(trained[0]["value"][1]) == QUICK["n_steps"] * QUICK["batch_size"] * QUICK["seq_len"]
 

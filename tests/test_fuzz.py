@@ -6,8 +6,10 @@ and a request the schema forbids is refused (schemathesis' own negative_data_rej
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -27,6 +29,9 @@ pytestmark = pytest.mark.slow
 PUBLIC = "fuzz"
 EXAMPLES = 60  # generated requests per operation (half valid, half invalid), plus the coverage phase's cases (every field at its bounds and in every wrong type)
 TIMEOUT = 30.0  # seconds per request: longer is a hang
+# the coverage phase's cases of an operation are sent this many at a time: most valid ones leave max_tokens unset and
+# generate to the end of the context, which the engine does for several requests in one batch
+COVERAGE_CLIENTS = 4
 ENVELOPE = {"message", "type", "param", "code"}
 
 
@@ -82,19 +87,27 @@ def fuzz(base: str, headers: dict, models: list[str]) -> tuple[dict, list, dict]
     failures: list = []
     sent_types: dict[tuple[str, str], set[str]] = defaultdict(set)
     refused: dict = defaultdict(lambda: defaultdict(int))  # valid per the schema, refused by a check it cannot express
+    lock = threading.Lock()  # the coverage phase sends from several threads
+
     def send(label: str, mode: GenerationMode, case, strict: bool) -> None:
         """One request; `strict`: a request the schema forbids must also be refused (the hypothesis phases; the
         coverage phase's edge cases are checked for 5xx, hangs and the envelope only)."""
         if isinstance(case.body, dict):
-            for field, value in case.body.items():
-                sent_types[(label, field)].add(json_type(value))
+            with lock:
+                for field, value in case.body.items():
+                    sent_types[(label, field)].add(json_type(value))
         sent = case.as_curl_command(headers=headers, base_url=base)[:400]
         try:
             response = case.call(base_url=base, headers=headers, timeout=TIMEOUT)
         except requests.Timeout:
-            failures.append((label, mode.value, sent, f"no answer within {TIMEOUT:g} s"))
-            counts[label]["timeout"] += 1
+            with lock:
+                failures.append((label, mode.value, sent, f"no answer within {TIMEOUT:g} s"))
+                counts[label]["timeout"] += 1
             return
+        with lock:
+            record(label, mode, case, strict, response, sent)
+
+    def record(label: str, mode: GenerationMode, case, strict: bool, response: requests.Response, sent: str) -> None:
         counts[label][response.status_code] += 1
         if mode is GenerationMode.POSITIVE and strict and response.status_code == 400:
             try:
@@ -140,9 +153,12 @@ def fuzz(base: str, headers: dict, models: list[str]) -> tuple[dict, list, dict]
         # schemathesis' coverage phase (as `schemathesis run` does): each field at its boundaries and in every wrong
         # JSON type, deterministically, which random generation may never reach (`"completion_window": {}` was a 500)
         generation = schema.config.generation_for(operation=op)
-        for case in schema.iter_coverage_cases(op, generation_modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
-                                               generation_config=generation):
-            send(label, case.meta.generation.mode if case.meta else GenerationMode.NEGATIVE, case, strict=False)
+        with ThreadPoolExecutor(COVERAGE_CLIENTS) as pool:
+            futures = [pool.submit(send, label, case.meta.generation.mode if case.meta else GenerationMode.NEGATIVE, case, False)
+                       for case in schema.iter_coverage_cases(op, generation_modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
+                                                              generation_config=generation)]
+            for future in futures:
+                future.result()  # a failure of the test itself (not of the server) is raised here
     for label, params in refused.items():
         print(f"  {label}: valid per the schema, refused naming {dict(sorted(params.items(), key=lambda kv: -kv[1])[:8])}")
     return {label: dict(c) for label, c in counts.items()}, failures, sent_types

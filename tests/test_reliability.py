@@ -7,7 +7,6 @@ processes (no engines) through Redis. The drain on SIGTERM is test_quiet_start.p
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ import httpx
 import openai
 import pytest
 from harness import free_port, metric, scrape, swiftkv_serve
-from harness.engines import KEY, PUBLIC, every_pool_ready
+from harness.engines import KEY, PUBLIC, engine_cores, every_pool_ready
 
 # ~410 prompt tokens for 60 output tokens: a prompt/output ratio that routes to the swiftkv pool
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 25)
@@ -68,16 +67,11 @@ def complete_once(client: openai.OpenAI, results: list, tag: str) -> None:
 def test_kill_9_of_an_engine_under_load(platform, capsys):
     """Also: the dead engine's pool leaves routing while the other serves every request (the process stays alive),
     the engine is restarted inside the gateway process, and its metrics replace the dead one's."""
-    import psutil
-
     base = platform.base
     client = platform.client(KEY, timeout=90)
-    cores = sorted((p for p in psutil.Process(platform.proc.pid).children(recursive=True) if "EngineCor" in p.name()),
-                   key=lambda p: p.create_time())
-    assert len(cores) == 2
-    started = re.findall(r"pool (\w+): engine for", "\n".join(platform.console_at_ready))
-    assert sorted(started) == ["base", "swiftkv"]  # pools start one at a time: their cores in the order they came up
-    victim = cores[started.index("swiftkv")]  # the pool the load goes to by ratio
+    cores = engine_cores(platform)
+    assert sorted(cores) == ["base", "swiftkv"]
+    victim = cores["swiftkv"]  # the pool the load goes to by ratio
 
     before, after = [], []
     threads = [threading.Thread(target=stream_once, args=(base, before, "stream")) for _ in range(6)]

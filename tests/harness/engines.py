@@ -5,6 +5,7 @@ OpenAI server (the session fixture `vllm_server`)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import httpx
@@ -66,6 +67,18 @@ def start_platform(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> Server:
     return server
 
 
+def engine_cores(server: Server) -> dict:
+    """The shared platform's engine core processes (psutil) by pool, as started: its pools start one at a time, so
+    their cores in the order the console says they came up (an engine restarted later is not among them)."""
+    import psutil
+
+    cores = sorted((p for p in psutil.Process(server.proc.pid).children(recursive=True) if "EngineCor" in p.name()),
+                   key=lambda p: p.create_time())
+    started = re.findall(r"pool (\w+): engine for", "\n".join(server.console_at_ready))
+    assert len(cores) == len(started) == len(set(started)), (cores, started)
+    return dict(zip(started, cores))
+
+
 def every_pool_ready(base: str) -> bool:
     """/ready is 200 once some pool serves; a test that needs every pool (or a restarted one back) reads its body."""
     r = httpx.get(f"{base}/ready", timeout=5)
@@ -91,6 +104,39 @@ KV_BYTES = 3 << 20
 LLM_ARGS = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, block_size=BLOCK, max_model_len=512,
                 max_num_batched_tokens=64, enable_prefix_caching=True, disable_log_stats=False, seed=0)
 NEW_TOKENS = 24
+
+
+class OfflineEngines:
+    """vLLM's offline LLM on a checkpoint with LLM_ARGS (and overrides), one alive at a time: asking for another
+    checkpoint or other settings shuts the current one down first. Shared by the run (conftest's `offline_engines`),
+    so a module that asks for the engine the one before it left running gets it without a start-up. Its processes
+    accept functions from the tests (LLM.apply_model), whatever this process allows."""
+
+    def __init__(self):
+        self.key, self.llm = None, None
+
+    def get(self, path, **overrides):
+        from vllm import LLM
+
+        key = (str(path), tuple(sorted(overrides.items())))
+        if key != self.key:
+            self.close()
+            saved = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the engine's processes start with it
+            try:
+                self.llm = LLM(model=str(path), **{**LLM_ARGS, **overrides})
+            finally:
+                if saved is None:
+                    os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION")
+                else:
+                    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = saved
+            self.key = key
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm, self.key = None, None
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
