@@ -246,6 +246,30 @@ def test_routing_by_prompt_output_ratio(server, client):
     assert delta("vllm:prompt_tokens_total", model_name=f"{PUBLIC}-swiftkv", engine="0") == long_prompt.usage.prompt_tokens
 
 
+def test_a_conversations_second_turn_hits_the_engines_prefix_cache_where_the_gateway_predicted(server, client):
+    """A conversation's second turn goes back to the pool that served the first (both prompt-heavy), and vLLM's
+    prefix-cache hit counter on that pool rises by exactly the tokens the gateway's index predicted cached there (its
+    blocks of 128 tokens, as the engines reported at start)."""
+    import random
+
+    rng = random.Random(11)
+    words = ["river", "town", "ledger", "harbor", "quarry", "lantern", "meadow", "copper", "signal", "orchard"]
+    first = [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(60)) + ". What is this about?"}]
+    raw = client.chat.completions.with_raw_response.create(model=PUBLIC, messages=first, max_tokens=8, extra_body={"ignore_eos": True})
+    pool = route(raw.headers)["pool"]
+    answer = raw.parse().choices[0].message.content
+    before = scrape(server)
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+    raw = client.chat.completions.with_raw_response.create(model=PUBLIC, messages=second, max_tokens=8, extra_body={"ignore_eos": True})
+    assert route(raw.headers)["pool"] == pool, raw.headers["x-swiftkv-route"]
+    after = scrape(server)
+    hits = metric(after, "vllm:prefix_cache_hits_total", model_name=f"{PUBLIC}-{pool}") - metric(before, "vllm:prefix_cache_hits_total",
+                                                                                                   model_name=f"{PUBLIC}-{pool}")
+    predicted = metric(after, "swiftkv_route_prefix_cached_tokens_total", pool=pool) - metric(
+        before, "swiftkv_route_prefix_cached_tokens_total", pool=pool)
+    assert hits >= 128 and hits == predicted, (hits, predicted)
+
+
 def test_api_keys_file_flag_wins_over_the_environment(server):
     """--api-keys-file wins over SWIFTKV_API_KEYS_FILE: the environment's file is not read at all (the rest of
     authentication: test_gateway_api.py::test_auth)."""
