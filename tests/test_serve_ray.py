@@ -12,10 +12,9 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
 from harness import free_port, swiftkv_serve
-from harness.engines import every_pool_ready
+from harness.engines import chat_and_stream, every_pool_ready
 from prometheus_client.parser import text_string_to_metric_families
 
 ENGINE = {"max_model_len": 256, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 16 << 20}
@@ -57,13 +56,7 @@ def ray_platform(tiny_base, tmp_path_factory):
 def test_ray_serve_pool_serves_after_warmup(ray_platform):
     base = ray_platform.base
     assert ray_platform.saw_not_ready  # the gateway was up while the replicas were still warming up
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
-    raw = client.chat.completions.with_raw_response.create(model="tiny-base", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                                           extra_body={"ignore_eos": True})
-    assert raw.parse().usage.completion_tokens == 4
-    assert "pool=base; reason=pinned" in raw.headers["x-swiftkv-route"]
-    chunks = list(client.completions.create(model="tiny-base", prompt="Pack my box", max_tokens=3, stream=True, extra_body={"ignore_eos": True}))
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "pool=base; reason=pinned" in chat_and_stream(base, "tiny-base")
 
     # engine metrics come out of Ray's metrics agent under vLLM's names with the ray_ prefix
     deadline = time.time() + 60

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 import yaml
 from harness import free_port
 from harness.deploy import ROOT, find, render, tool
+from harness.engines import chat_and_stream
 
 BIN = Path(sys.executable).parent
 ENGINE_ARGS = {"max_model_len": 256, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 16 << 20}
@@ -153,13 +153,7 @@ def test_gateway_attaches_to_the_rayservice_applications(ray_head, tiny_base, tm
             assert gateway.poll() is None and time.time() < deadline, logs()
             time.sleep(1)
 
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
-        raw = client.chat.completions.with_raw_response.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                                               extra_body={"ignore_eos": True})
-        assert raw.parse().usage.completion_tokens == 4
-        assert "pool=base" in raw.headers["x-swiftkv-route"]
-        chunks = list(client.completions.create(model="tiny", prompt="Pack my box", max_tokens=3, stream=True, extra_body={"ignore_eos": True}))
-        assert chunks[-1].choices[0].finish_reason == "length"
+        assert "pool=base" in chat_and_stream(base, "tiny")
     finally:
         gateway.send_signal(signal.SIGTERM)
         try:

@@ -151,3 +151,17 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = NEW_TOKENS, logpro
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def chat_and_stream(base: str, model: str) -> str:
+    """A 4-token chat answer and a streamed 3-token completion from `model` at `base`, both checked; returns the chat
+    answer's x-swiftkv-route header."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+    raw = client.chat.completions.with_raw_response.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                                           extra_body={"ignore_eos": True})
+    assert raw.parse().usage.completion_tokens == 4
+    chunks = list(client.completions.create(model=model, prompt="Pack my box", max_tokens=3, stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    return raw.headers["x-swiftkv-route"]
