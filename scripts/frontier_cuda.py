@@ -10,6 +10,10 @@ every row's settings, summary and learning curve to DIR/rows.json. Evaluate them
 `--deadline-s` (measured throughput x its tokens) is skipped and said so, never cut short: a row cut short would
 be a different learning-rate schedule.
 
+Back on the CPU machine, `python scripts/frontier_cuda.py --unpack DIR [--runs runs] [--base models/...] [--data
+data/mix-large/train.jsonl]` turns DIR into run folders RUNS/ROW (the assembled checkpoint, run.json, summary.json,
+metrics.jsonl) that `scripts/frontier.sh eval ROW` and `scripts/frontier_report.py` read like any other row.
+
 A row: NAME=l:tokens[:key=value,...], e.g. `l22-t1-16m=22:16000000:temperature=1`. Common recipe: T = 1,
 least-squares K/V init, lr 1e-3 with 5% warm-up then linear decay, 256-token rows, 32 rows a step.
 """
@@ -62,6 +66,22 @@ def parse_row(spec: str) -> tuple[str, dict]:
     return name, settings
 
 
+def unpack(trained: Path, runs: Path, base: Path, data: Path) -> None:
+    """Each row of TRAINED/rows.json as a run folder of RUNS, as `swiftkv distill` would have left it."""
+    from dataclasses import asdict
+
+    from swiftkv_core.shipped import assemble_from_trained
+
+    for name, row in json.loads((trained / "rows.json").read_text()).items():
+        run = runs / name
+        assemble_from_trained(base, trained / f"{name}.safetensors", run)
+        cfg = DistillConfig(base=str(base), out=str(run), data=str(data), device="cuda", **row["settings"])
+        (run / "run.json").write_text(json.dumps(asdict(cfg), indent=2))
+        (run / "summary.json").write_text(json.dumps(row["summary"], indent=2))
+        (run / "metrics.jsonl").write_text("".join(json.dumps(p) + "\n" for p in row["curve"]))
+        print(f"{name}: {run}", flush=True)
+
+
 def smoke(work: Path, out: Path) -> None:
     """A check of the machine before the long rows: a random model of SmolLM2's shape (30 layers, hidden 576,
     vocabulary 49,152) distilled at l = 22 for 60 steps on the GPU, then resumed on the GPU from a saved state;
@@ -90,12 +110,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", type=Path)
     ap.add_argument("--data", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--unpack", type=Path, help="a folder this script wrote on the GPU machine: make its rows run folders")
+    ap.add_argument("--runs", type=Path, default=Path("runs"))
+    ap.add_argument("--base", type=Path, default=Path("models/smollm2-135m-instruct"))
     ap.add_argument("--smoke", action="store_true", help="only check the machine (no GGUF or data needed)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/frontier"))
     ap.add_argument("--deadline-s", type=float, default=float("inf"))
     ap.add_argument("rows", nargs="*")
     args = ap.parse_args()
+    if args.unpack:
+        return unpack(args.unpack, args.runs, args.base, args.data or Path("data/mix-large/train.jsonl"))
+    if args.out is None:
+        ap.error("--out is required")
     if args.smoke:
         return smoke(args.work, args.out)
     t0 = time.monotonic()

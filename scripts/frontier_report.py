@@ -9,8 +9,8 @@ same layout carries a measured one. A measurement in RUNS replaces the recorded 
 layout (the newer one). Rows are trained on several
 machines and runs/ is not kept, so each finished row's figures and learning curve are recorded in
 OUT/frontier-rows.json (a row in RUNS replaces its record) and the table and plots are drawn from all recorded
-rows. Prints the Markdown table and writes OUT/frontier.png (quality against prefill speed-up) and
-OUT/learning-curves.png.
+rows. Prints the Markdown table and writes OUT/frontier.png (quality against prefill speed-up),
+OUT/learning-curves.png and OUT/budget.png (quality against training tokens, per layout, plain recipe at T = 1).
 """
 
 from __future__ import annotations
@@ -188,10 +188,45 @@ def plots(rs: list[dict], out: Path) -> None:
             line, = ax.plot(xs, smooth, label=r["name"], lw=1.5)
             ax.plot(xs, ys, color=line.get_color(), lw=0.5, alpha=0.3)
     ax.set(xlabel="training tokens", ylabel="training KL (T^2-scaled, per target token)\n10-step running mean", title="learning curves", xscale="log", yscale="log")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "learning-curves.png", dpi=110)
+    plt.close(fig)
+    budget_plot(rs, out)
+
+
+def budget_series(rs: list[dict]) -> dict[int, list[dict]]:
+    """Per layout (g = 1), the rows of the plain recipe at T = 1 (no other lever; any data, batch or machine),
+    by training tokens: how quality grows with the budget alone."""
+    plain = ("-", "data mix-large, batch 32")
+    series: dict[int, list[dict]] = {}
+    for r in rs:
+        if r["g"] == 1 and r["temperature"] == 1 and r["recipe"] in plain and r["heldout"] and r["manpages"]:
+            series.setdefault(r["l"], []).append(r)
+    return {l: sorted(v, key=lambda r: r["tokens"]) for l, v in sorted(series.items())}
+
+
+def budget_plot(rs: list[dict], out: Path) -> None:
+    """docs/budget.png: top-1 agreement and perplexity ratio against training tokens, per layout, with the bar."""
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (l, rows_l) in enumerate(budget_series(rs).items()):
+        color = plt.cm.tab10(i)
+        xs = [r["tokens"] for r in rows_l]
+        for text, ls, marker in (("heldout", "-", "o"), ("manpages", "--", "s")):
+            a.plot(xs, [r[text]["top1_agreement"] for r in rows_l], ls=ls, marker=marker, color=color, label=f"l = {l}, {text}")
+            b.plot(xs, [r[text]["ppl_ratio"] for r in rows_l], ls=ls, marker=marker, color=color, label=f"l = {l}, {text}")
+    a.axhline(0.90, color="gray", ls=":", lw=1)
+    b.axhline(1.05, color="gray", ls=":", lw=1)
+    a.set(xscale="log", xlabel="training tokens", ylabel="top-1 agreement with the teacher", title="agreement against budget (bar >= 0.90)")
+    b.set(xscale="log", xlabel="training tokens", ylabel="perplexity ratio student / teacher", title="perplexity against budget (bar <= 1.05)")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "budget.png", dpi=110)
     plt.close(fig)
 
 

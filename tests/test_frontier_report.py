@@ -40,3 +40,41 @@ def test_a_layout_measured_in_runs_replaces_every_recorded_speedup_of_that_layou
     rs = {r["name"]: r for r in frontier_report.merged(recorded, [_row("l18", 18, 1, 1.62, "bound")], now)}
     assert [(rs[n]["speedup"], rs[n]["speedup_how"]) for n in ("l18", "l20", "l20-t1", "l22")] == [
         (1.56, "measured"), (1.45, "measured"), (1.45, "measured"), (1.31, "measured")]
+
+
+def test_plain_rows_at_t1_make_the_budget_series_of_their_layout():
+    def row(name, l, tokens, recipe="-", t=1.0):
+        return _row(name, l, 1, 1.3, "measured") | {"tokens": tokens, "recipe": recipe, "temperature": t,
+                                                     "manpages": {"top1_agreement": 0.88}}
+    rs = [row("l22-t1-8m", 22, 8_000_000, "data mix-large, batch 32"), row("l22-t1", 22, 256_000), row("l22", 22, 256_000, t=2.0),
+          row("l22-lora", 22, 256_000, "adapters r16 on o"), row("l20-t1-8m", 20, 8_000_000, "data mix-large, batch 32")]
+    series = frontier_report.budget_series(rs)
+    assert {l: [r["name"] for r in v] for l, v in series.items()} == {20: ["l20-t1-8m"], 22: ["l22-t1", "l22-t1-8m"]}
+
+
+def test_rows_trained_on_a_gpu_machine_unpack_into_run_folders_the_report_reads(tiny_base, train_text, tmp_path):
+    """scripts/frontier_cuda.py --unpack: what the GPU machine sends back (trained tensors + rows.json) becomes a run
+    folder with the assembled checkpoint, its settings, summary and curve, read like a row trained here."""
+    import json
+
+    from swiftkv_core.distill import DistillConfig, distill
+    from swiftkv_core.shipped import export_trained
+
+    spec_cuda = importlib.util.spec_from_file_location("frontier_cuda", Path(__file__).resolve().parent.parent / "scripts" / "frontier_cuda.py")
+    frontier_cuda = importlib.util.module_from_spec(spec_cuda)
+    spec_cuda.loader.exec_module(frontier_cuda)
+    settings = {"num_key_value_layers": 4, "temperature": 1.0, "init": "lstsq", "lr": 1e-3, "batch_size": 2, "seq_len": 32, "max_steps": 2,
+                "progress": False}
+    run = distill(DistillConfig(base=str(tiny_base), out=str(tmp_path / "gpu-run"), data=str(train_text), device="cpu", **settings))
+    sent = tmp_path / "sent"
+    export_trained(run, sent / "l4-t1-tiny.safetensors")
+    curve = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+    summary = json.loads((run / "summary.json").read_text()) | {"device": "NVIDIA H100 80GB HBM3"}
+    (sent / "rows.json").write_text(json.dumps({"l4-t1-tiny": {"settings": settings, "summary": summary, "curve": curve}}))
+
+    frontier_cuda.unpack(sent, tmp_path / "runs", tiny_base, train_text)
+    folder = tmp_path / "runs" / "l4-t1-tiny"
+    assert json.loads((folder / "config.json").read_text())["num_key_value_layers"] == 4  # the assembled checkpoint
+    (row,) = frontier_report.rows(tmp_path / "runs")
+    assert (row["name"], row["l"], row["temperature"], row["tokens"]) == ("l4-t1-tiny", 4, 1.0, summary["tokens"])
+    assert row["machine"].startswith("NVIDIA H100") and len(row["curve"]) == len(curve)
