@@ -287,7 +287,7 @@ def _deploy_ray_pools(cfg, data: dict, ray_metrics_port: int) -> list[str]:
         app = f"swiftkv-{name}"
         logging.getLogger("swiftkv.workers").info("pool %s: deploying Ray Serve application %s (each replica starts its engine)", name, app)
         try:  # returns once the initial replicas passed their constructor (warm-up included)
-            serve.run(build_deployment(name, pool, cfg.served_name(name)), name=app, route_prefix=None)
+            serve.run(build_deployment(name, pool, cfg.served_name(name), cfg.routing), name=app, route_prefix=None)
         except Exception:
             logging.getLogger("swiftkv.workers").exception("pool %s: deploying Ray Serve application %s failed", name, app)
         deployed.append(app)

@@ -19,6 +19,8 @@ import pytest
 import yaml
 from harness.deploy import CHART, ROOT, find, render, run, tool, values_args
 
+from services.config import RoutingConfig
+
 PRESETS = sorted((ROOT / "deploy" / "helm" / "presets").glob("*.yaml"))
 DOCKERFILES = sorted((ROOT / "docker").glob("*.Dockerfile"))
 CRDS = ROOT / "tests" / "deploy_crds"
@@ -327,6 +329,10 @@ def test_serve_config_builds_the_ray_serve_applications(monkeypatch):
         deployment = built._bound_deployment
         assert deployment.name == f"engine-{app['args']['pool']}"
         assert deployment._deployment_config.autoscaling_config.max_replicas == app["args"]["config"]["replicas"]["max"]
+        # the replica router reads the prefix as the gateway does: the platform's routing config
+        router = deployment._deployment_config.request_router_config
+        assert router.request_router_class.endswith("ray_router.PrefixAffinityRouter")
+        assert router.request_router_kwargs["min_distinct_tokens"] == RoutingConfig.model_validate(app["args"]["routing"]).prefix_min_distinct_tokens
 
 
 # --- alert rules --------------------------------------------------------------------------------------

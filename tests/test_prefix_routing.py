@@ -317,3 +317,32 @@ def test_the_gateway_takes_the_engines_cache_layout_and_returns_the_work_it_coun
     assert policy.index.capacity_blocks == 16_384 // 16 * 16 // 128  # the default, rescaled; each pool has its own:
     policy.index.record("swiftkv", policy.blocks(list(range(128 * 50))))
     assert policy.index.blocks("swiftkv") == 40
+
+
+def test_the_blocks_an_answer_fills_are_recorded_for_the_next_turn(tiny_base):
+    """A backend that reports its answer's token ids (in-process engines do): the pool that answered holds the blocks
+    of prompt and answer but the last sampled token (whose KV vLLM has not computed), so the next turn, the history
+    with the answer in it, is predicted cached up to there. A backend that reports no ids records the prompt alone."""
+    routing = {"prefix_min_distinct_tokens": 32, "prefix_block_size": BS}
+    cfg = platform_config(tiny_base, max_model_len=2048, routing=routing)
+    answer_id = 7
+    backends = {"swiftkv": FakeBackend("swiftkv", tokens=50, token_id=answer_id), "base": FakeBackend("base", tokens=50)}
+    served = InProcessGateway(cfg, backends, batch=False)
+    index = served.gateway.policy.index
+    history = [t % 500 + 1 for t in tokens(200, 1)]  # prompt-heavy: the swiftkv pool by ratio (ids of the tiny vocabulary)
+
+    async def run():
+        async with served.client() as c:
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": history, "max_tokens": 50})
+            assert r.status_code == 200 and "pool=swiftkv" in r.headers["x-swiftkv-route"], r.text
+            assert index.blocks("swiftkv") == (200 + 50 - 1) // BS  # 15 blocks: 12 of the prompt, 3 the answer filled
+            turn2 = history + [answer_id] * 50 + [t % 500 + 1 for t in tokens(30, 2)]
+            assert served.gateway.policy.cached_tokens("swiftkv", len(turn2), index.hashes(turn2)) == (200 + 50 - 1) // BS * BS
+
+            served.gateway.policy.forget("swiftkv")
+            backends["swiftkv"].token_id = None  # a remote server: text only
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": history, "max_tokens": 50})
+            assert r.status_code == 200, r.text
+            assert index.blocks("swiftkv") == 200 // BS
+
+    asyncio.run(run())

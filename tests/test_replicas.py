@@ -158,3 +158,17 @@ def test_the_ray_serve_router_ranks_the_prefixs_replica_first_within_the_load_bo
     assert [r.replica_id.unique_id for r in again[-1]] == [order[0]] and len(again) == 3
     assert rank(replicas, pending(tokens(20, 1)), 16, 64, 4, lambda r: 0) == [replicas]  # too short: Ray's own choice
     assert rank(replicas, SimpleNamespace(args=[]), 16, 64, 4, lambda r: 0) == [replicas]
+
+
+def test_the_ray_serve_router_reads_the_prefix_as_the_platforms_routing_config_says():
+    """The Ray pool's router settings come from the platform config: the routing block size, else the pool's engine
+    block_size, else vLLM's GPU default; the distinctive minimum as the gateway's."""
+    pytest.importorskip("ray.serve")
+    from services.config import PoolConfig, RoutingConfig
+    from services.serving.ray_backend import router_kwargs
+
+    pool = PoolConfig(model="m")
+    assert router_kwargs(pool, None) == {"block_size": 16, "min_distinct_tokens": 256}
+    engine_128 = PoolConfig(model="m", engine_args={"block_size": 128})
+    assert router_kwargs(engine_128, RoutingConfig(prefix_min_distinct_tokens=512)) == {"block_size": 128, "min_distinct_tokens": 512}
+    assert router_kwargs(engine_128, RoutingConfig(prefix_block_size=32)) == {"block_size": 32, "min_distinct_tokens": 256}

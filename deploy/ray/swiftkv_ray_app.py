@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.config import PoolConfig
+from services.config import PoolConfig, RoutingConfig
 from services.serving.ray_backend import build_deployment
 
 
 def build(args: dict[str, Any]):
-    """args: {"pool": "swiftkv", "served_model_name": "...", "config": {<the pool's platform config>}}."""
+    """args: {"pool": "swiftkv", "served_model_name": "...", "config": {<the pool's platform config>},
+    "routing": {<the platform config's routing>}} (routing optional: its defaults)."""
     pool = PoolConfig.model_validate(args["config"])
-    return build_deployment(args["pool"], pool, args["served_model_name"])
+    routing = RoutingConfig.model_validate(args.get("routing") or {})
+    return build_deployment(args["pool"], pool, args["served_model_name"], routing)

@@ -81,7 +81,7 @@ class Dispatcher:
                       source: str = "live", blocks: Sequence[bytes] = ()) -> AsyncIterator[Output]:
         """The backend's stream with the gateway's bookkeeping: metrics, the pool's work in flight (routing's load),
         estimates, limits, and the prompt's blocks (`blocks`, cache-aware routing) entered in the prefix-cache index
-        as the pool's now."""
+        as the pool's now, then the blocks its answer filled when the backend reports the answer's token ids."""
         prompt_tokens = len(request.prompt_token_ids)
         m = metrics.for_pool(pool.name, model, source)
         m.in_flight.inc()
@@ -94,10 +94,14 @@ class Dispatcher:
             pool.live_started()
         first_at = None
         generated = 0
+        # the answer's token ids (one choice, a backend that reports them): vLLM caches the blocks they fill too
+        answer_ids: list[int] | None = [] if self.policy.index is not None and request.sampling.n == 1 else None
         status = "error"
         try:
             async with aclosing(pool.backend.generate(request)) as stream:
                 async for out in stream:
+                    if answer_ids is not None:
+                        answer_ids = collect_token_ids(answer_ids, out)
                     n = sum(c.num_tokens for c in out.choices)
                     if first_at is None and n:
                         first_at = time.perf_counter()
@@ -119,6 +123,8 @@ class Dispatcher:
             raise
         finally:
             end = time.perf_counter()
+            if answer_ids and status != "error":
+                self.note_answer(pool, request.prompt_token_ids, answer_ids)
             if live:
                 pool.live_ended()
             if first_at is None:
@@ -148,12 +154,30 @@ class Dispatcher:
         metrics.predicted_ttft.labels(pool.name).observe(self.policy.predicted_ttft(pool, prompt_tokens, cached))
         index.record(pool.name, blocks)
 
+    def note_answer(self, pool: PoolState, prompt_token_ids: Sequence[int], answer_ids: Sequence[int]) -> None:
+        """The blocks that prompt and answer filled, as vLLM caches them: every token but the last sampled one has
+        its KV computed, so a conversation's next turn (the history, then this answer, then a new question) finds
+        them in the pool that answered."""
+        index = self.policy.index
+        computed = [*prompt_token_ids, *answer_ids][:-1]
+        if index is not None and len(computed) >= (len(prompt_token_ids) // index.block_size + 1) * index.block_size:
+            index.record(pool.name, index.hashes(computed))
+
     def settle_later(self, identity: str, reserved: int, generated: int) -> None:
         """Settle an output reservation in a task of its own: it completes even while the request's own task
         is being cancelled (the client left), and the end of an answer never waits on Redis."""
         task = asyncio.get_running_loop().create_task(self.limiter.settle(identity, reserved, generated))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
+
+
+def collect_token_ids(ids: list[int], out: Output) -> list[int] | None:
+    """`ids` extended by this output's token ids; None once an output has tokens without their ids (remote servers)."""
+    for c in out.choices:
+        if c.token_ids is None and c.num_tokens:
+            return None
+        ids.extend(c.token_ids or ())
+    return ids
 
 
 async def calling_on_first_token(stream: AsyncIterator[Output], callback: Callable[[], None]) -> AsyncIterator[Output]:

@@ -17,17 +17,18 @@ class FakeBackend:
     returns. `error`, when set, is raised instead of answering. `gate` (an asyncio.Event), when given, holds the requests
     that `hold(request)` picks (default: all) before their first token until it is set; a request cancelled before its
     last output counts as aborted. `up` False: start, health and recover say the engines are down. `cache` (block size,
-    capacity tokens) is what it reports of its KV cache, as an in-process engine does. It keeps every
+    capacity tokens) is what it reports of its KV cache, as an in-process engine does; `token_id`, when set, is the id
+it reports for every token it answers (as an in-process engine reports its tokens' ids). It keeps every
     request it was sent (`requests`; none with `record` False, for a load test's millions) and counts `waiting` (at the
     gate), `served` (past the gate) and `aborted`."""
 
     def __init__(self, name: str = "base", tokens: int | None = 1, delay: float = 0.0, text: str = "x", *, chunk: int = 1,
                  gate: asyncio.Event | None = None, hold: Callable[[GenerateRequest], bool] | None = None,
                  script: Callable[[GenerateRequest], Iterable[Output]] | None = None, up: bool = True, record: bool = True,
-                 cache: tuple[int, int] | None = None):
+                 cache: tuple[int, int] | None = None, token_id: int | None = None):
         self.name, self.tokens, self.delay, self.text, self.chunk = name, tokens, delay, text, chunk
         self.gate, self.hold, self.script, self.up = gate, hold or (lambda request: True), script, up
-        self.record, self.cache = record, cache
+        self.record, self.cache, self.token_id = record, cache, token_id
         self.error: Exception | None = None
         self.requests: list[GenerateRequest] = []
         self.waiting = self.served = self.aborted = 0
@@ -56,8 +57,9 @@ class FakeBackend:
         top = [(self.text, -0.5), ("y", -1.5)] + [(f"t{j}", -1.5 - j) for j in range(1, (k or 0) - 1)]
         logprobs = None if k is None else [TokenLogprob(self.text, -0.5, top[:k])]
         sizes = [min(self.chunk, tokens - i) for i in range(0, tokens, self.chunk)]
-        return (Output([ChoiceDelta(c, self.text * size, size, "length" if i == len(sizes) - 1 else None, logprobs and logprobs * size)
-                        for c in range(request.sampling.n)]) for i, size in enumerate(sizes))
+        ids = (lambda size: None) if self.token_id is None else (lambda size: [self.token_id] * size)
+        return (Output([ChoiceDelta(c, self.text * size, size, "length" if i == len(sizes) - 1 else None, logprobs and logprobs * size,
+                                    ids(size)) for c in range(request.sampling.n)]) for i, size in enumerate(sizes))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
         if self.record:

@@ -93,7 +93,7 @@ def build_backends(cfg: PlatformConfig, engine: EngineKind) -> dict[str, Backend
         elif engine == "ray":
             from .ray_backend import RayBackend
 
-            backends[name] = RayBackend(name, pool, served)
+            backends[name] = RayBackend(name, pool, served, cfg.routing)
         else:
             from .engine import InProcessBackend
 

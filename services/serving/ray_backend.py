@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from services.config import PoolConfig
+from services.config import DEFAULT_BLOCK_SIZE, PoolConfig, RoutingConfig
 
 from .backend import BackendDown, BackendError, BadRequest, GenerateRequest, Output
 from .engine import VLLMEngine
@@ -45,16 +45,26 @@ class EngineReplica:
             self.engine.llm.shutdown()
 
 
-def build_deployment(pool: str, cfg: PoolConfig, served_model_name: str):
+def router_kwargs(cfg: PoolConfig, routing: RoutingConfig | None) -> dict:
+    """The replica router's settings from the platform's routing config: the prefix's block size (the config's, else
+    the pool's engine block_size, else vLLM's default on GPUs) and the distinctive minimum, as the gateway uses them."""
+    routing = routing or RoutingConfig()
+    block_size = routing.prefix_block_size or cfg.vllm_engine_args().get("block_size") or DEFAULT_BLOCK_SIZE
+    return {"block_size": int(block_size), "min_distinct_tokens": routing.prefix_min_distinct_tokens}
+
+
+def build_deployment(pool: str, cfg: PoolConfig, served_model_name: str, routing: RoutingConfig | None = None):
     """The Serve application of one pool (a small builder from config, as Ray Serve LLM does). Requests reach the
-    replica their prompt's distinctive prefix ranks first, within a load bound (services/serving/ray_router.py)."""
+    replica their prompt's distinctive prefix ranks first, within a load bound (services/serving/ray_router.py),
+    with the prefix read as `routing` says."""
     from ray.serve.config import RequestRouterConfig
 
     r = cfg.replicas
     return EngineReplica.options(
         name=f"engine-{pool}",
         max_ongoing_requests=r.max_ongoing_requests,
-        request_router_config=RequestRouterConfig(request_router_class="services.serving.ray_router.PrefixAffinityRouter"),
+        request_router_config=RequestRouterConfig(request_router_class="services.serving.ray_router.PrefixAffinityRouter",
+                                                  request_router_kwargs=router_kwargs(cfg, routing)),
         autoscaling_config={
             "min_replicas": r.min,
             "initial_replicas": max(r.min, 1),
@@ -73,8 +83,9 @@ class RayBackend:
     gateway only attaches, and until the application is RUNNING the pool stays down while the gateway's
     health watcher retries with backoff."""
 
-    def __init__(self, name: str, cfg: PoolConfig, served_model_name: str):
+    def __init__(self, name: str, cfg: PoolConfig, served_model_name: str, routing: RoutingConfig | None = None):
         self.name = name
+        self.routing = routing
         self.app_name = cfg.ray_app or f"swiftkv-{name}"
         self.attached = cfg.ray_app is not None  # never deployed nor deleted from here
         self.cfg = cfg
@@ -85,7 +96,7 @@ class RayBackend:
         t0 = time.perf_counter()
         if not self.attached:
             log.info("pool %s: deploying Ray Serve application %s (each replica starts its engine)", self.name, self.app_name)
-            app = build_deployment(self.name, self.cfg, self.served_model_name)
+            app = build_deployment(self.name, self.cfg, self.served_model_name, self.routing)
             # serve.run returns once the initial replicas passed their constructor (warm-up included).
             await asyncio.to_thread(serve.run, app, name=self.app_name, route_prefix=None)
         status = await self._status()
