@@ -28,8 +28,9 @@ REQUESTS = (
 
 
 def answer_records(base: str | Path, text: str | Path, num: int, min_tokens: int, max_tokens: int, answer_tokens: int,
-                   temperature: float = 0.0, seed: int = 0, engine_args: dict | None = None) -> list[dict]:
-    """`num` chat records {"messages": [user: document + request, assistant: the teacher's answer], "source"}."""
+                   temperature: float = 0.0, seed: int = 0, engine_args: dict | None = None, llm=None) -> list[dict]:
+    """`num` chat records {"messages": [user: document + request, assistant: the teacher's answer], "source"}. `llm`: a
+    running vLLM LLM of `base` to answer with (its own settings); None starts one."""
     from transformers import AutoTokenizer
 
     from .evaluate import long_documents
@@ -44,10 +45,11 @@ def answer_records(base: str | Path, text: str | Path, num: int, min_tokens: int
 
     from vllm import LLM, SamplingParams
 
-    # A fixed KV budget: on CPUs vLLM would otherwise reserve a share of all memory (gpu_memory_utilization).
-    args = engine_args_for_machine({"dtype": "auto", "max_model_len": max_tokens + 64 + answer_tokens, "enforce_eager": True,
-                                    "kv_cache_memory_bytes": 256 << 20} | (engine_args or {}), on_cpu=vllm_on_cpu())
-    llm = LLM(model=str(base), seed=seed, **args)
+    if llm is None:
+        # A fixed KV budget: on CPUs vLLM would otherwise reserve a share of all memory (gpu_memory_utilization).
+        args = engine_args_for_machine({"dtype": "auto", "max_model_len": max_tokens + 64 + answer_tokens, "enforce_eager": True,
+                                        "kv_cache_memory_bytes": 256 << 20} | (engine_args or {}), on_cpu=vllm_on_cpu())
+        llm = LLM(model=str(base), seed=seed, **args)
     params = SamplingParams(temperature=temperature, max_tokens=answer_tokens, seed=seed)
     outputs = llm.chat(messages, params, use_tqdm=True)
     records = []

@@ -14,24 +14,21 @@ from transformers import AutoTokenizer
 from swiftkv_core.data import load_packed
 from swiftkv_core.evaluate import _chat_ids
 from swiftkv_core.modeling_llama_swiftkv import load_model
-from swiftkv_core.teacher_answers import REQUESTS
+from swiftkv_core.teacher_answers import REQUESTS, answer_records, write_records
 
 TEXT = "".join(json.dumps({"text": f"Paragraph {i}: the frob tool reads widgets and writes gadgets, line by line.", "source": "docs"}) + "\n"
                for i in range(60))
 
 
 @pytest.mark.engine
-def test_teacher_answers_are_the_teachers_greedy_answers(tiny_base, tmp_path):
+def test_teacher_answers_are_the_teachers_greedy_answers(tiny_base, offline_engines, tmp_path):
+    """On the run's shared offline engine of the tiny base (float32, as the reference below); the command's own engine
+    start-up is `swiftkv data answers`'s only difference, and its options are checked by test_refusals."""
     text = tmp_path / "train.jsonl"
     text.write_text(TEXT)
-    out = tmp_path / "answers.jsonl"
-    swiftkv = str(Path(sys.executable).parent / "swiftkv")
-    res = subprocess.run([swiftkv, "data", "answers", "--base", str(tiny_base), "--text", str(text), "--out", str(out),
-                          "--num", "3", "--min-tokens", "40", "--max-tokens", "80", "--answer-tokens", "12",
-                          "--dtype", "float32"],  # the reference below runs in float32 (bf16 greedy can differ)
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    records = [json.loads(x) for x in out.read_text().splitlines()]
+    records = answer_records(tiny_base, text, 3, 40, 80, 12, llm=offline_engines.get(tiny_base))
+    out = write_records(records, tmp_path / "answers.jsonl")
+    assert [json.loads(x) for x in out.read_text().splitlines()] == records
     assert 1 <= len(records) <= 3 and all(r["source"] == "teacher-answers" for r in records)
 
     tok = AutoTokenizer.from_pretrained(str(tiny_base))
