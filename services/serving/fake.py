@@ -18,7 +18,7 @@ class FakeBackend:
     that `hold(request)` picks (default: all) before their first token until it is set; a request cancelled before its
     last output counts as aborted. `up` False: start, health and recover say the engines are down. `cache` (block size,
     capacity tokens) is what it reports of its KV cache, as an in-process engine does; `token_id`, when set, is the id
-it reports for every token it answers (as an in-process engine reports its tokens' ids). It keeps every
+    it reports for every token it answers (as an in-process engine reports its tokens' ids). It keeps every
     request it was sent (`requests`; none with `record` False, for a load test's millions) and counts `waiting` (at the
     gate), `served` (past the gate) and `aborted`."""
 
