@@ -146,7 +146,9 @@ def test_kill_9_of_a_worker_the_other_answers_and_it_is_replaced(workers):
           f"{replaced_after:.1f} s after the kill")
 
 
-@pytest.mark.xfail(strict=False, reason="exit status 1 instead of 0 once on a fresh clone (AVX2, 2026-11-26) after the harness rework; under investigation")
+@pytest.mark.xfail(strict=False, reason="a drain defect, seen on loaded 2-core machines: of 6 requests sent 0.5 s before SIGTERM, one "
+                   "can end in a ReadError (its connection queued or accepted but its request not yet read when the worker's "
+                   "server stopped); the exit status is 0")
 def test_sigterm_drains_every_worker_and_exits_0(workers):
     """Last in this module: it stops the module's server."""
     base, proc, work, _ = workers
