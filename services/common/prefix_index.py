@@ -77,8 +77,9 @@ class PrefixIndex:
         while lru and len(lru) > limit:
             lru.popitem(last=False)
 
-    def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        return block_hashes(token_ids, self.block_size, self._none_hash)
+    def hashes(self, token_ids: Sequence[int], parent: bytes | None = None) -> list[bytes]:
+        """The chained hashes of the full blocks of `token_ids`, continuing the chain after `parent` when given."""
+        return block_hashes(token_ids, self.block_size, self._none_hash if parent is None else parent)
 
     def record(self, target: str, hashes: Sequence[bytes]) -> None:
         """`target` was sent a prompt with these blocks: they become its most recently used. Inserted last block

@@ -124,7 +124,7 @@ class Dispatcher:
         finally:
             end = time.perf_counter()
             if answer_ids and status != "error":
-                self.note_answer(pool, request.prompt_token_ids, answer_ids)
+                self.note_answer(pool, request.prompt_token_ids, blocks, answer_ids)
             if live:
                 pool.live_ended()
             if first_at is None:
@@ -154,14 +154,17 @@ class Dispatcher:
         metrics.predicted_ttft.labels(pool.name).observe(self.policy.predicted_ttft(pool, prompt_tokens, cached))
         index.record(pool.name, blocks)
 
-    def note_answer(self, pool: PoolState, prompt_token_ids: Sequence[int], answer_ids: Sequence[int]) -> None:
+    def note_answer(self, pool: PoolState, prompt_token_ids: Sequence[int], blocks: Sequence[bytes], answer_ids: Sequence[int]) -> None:
         """The blocks that prompt and answer filled, as vLLM caches them: every token but the last sampled one has
         its KV computed, so a conversation's next turn (the history, then this answer, then a new question) finds
-        them in the pool that answered."""
+        them in the pool that answered. Hashed on from the prompt's last full block (`blocks`, hashed at dispatch)."""
         index = self.policy.index
+        if index is None:
+            return
         computed = [*prompt_token_ids, *answer_ids][:-1]
-        if index is not None and len(computed) >= (len(prompt_token_ids) // index.block_size + 1) * index.block_size:
-            index.record(pool.name, index.hashes(computed))
+        more = index.hashes(computed[len(blocks) * index.block_size:], parent=blocks[-1] if blocks else None)
+        if more:
+            index.record(pool.name, [*blocks, *more])
 
     def settle_later(self, identity: str, reserved: int, generated: int) -> None:
         """Settle an output reservation in a task of its own: it completes even while the request's own task

@@ -57,9 +57,9 @@ class FakeBackend:
         top = [(self.text, -0.5), ("y", -1.5)] + [(f"t{j}", -1.5 - j) for j in range(1, (k or 0) - 1)]
         logprobs = None if k is None else [TokenLogprob(self.text, -0.5, top[:k])]
         sizes = [min(self.chunk, tokens - i) for i in range(0, tokens, self.chunk)]
-        ids = (lambda size: None) if self.token_id is None else (lambda size: [self.token_id] * size)
         return (Output([ChoiceDelta(c, self.text * size, size, "length" if i == len(sizes) - 1 else None, logprobs and logprobs * size,
-                                    ids(size)) for c in range(request.sampling.n)]) for i, size in enumerate(sizes))
+                                    None if self.token_id is None else [self.token_id] * size)
+                        for c in range(request.sampling.n)]) for i, size in enumerate(sizes))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
         if self.record:
