@@ -179,15 +179,13 @@ def test_bad_lora_settings_are_refused_before_anything_loads(tiny_base, train_te
 @pytest.mark.engine
 def test_vllm_serves_a_merged_lora_checkpoint_like_the_reference(tiny_base, tmp_path):
     pytest.importorskip("vllm")
-    from harness.engines import LLM_ARGS as ENGINE_ARGS
-    from harness.engines import generate, prompt
-    from vllm import LLM
+    from harness.engines import generate, offline_llm, prompt
 
     model = _student(tiny_base, b_std=0.3)
     write_checkpoint(model, tiny_base, tmp_path / "run", trainable_parameters(model, "lora"))
     ref, plain = load_model(str(tmp_path / "run")), build_student(tiny_base, 4, 1)
     prompts = [prompt(n) for n in (5, 33, 70)]
-    llm = LLM(model=str(tmp_path / "run"), **ENGINE_ARGS)
+    llm = offline_llm(tmp_path / "run")
     try:
         outputs = generate(llm, prompts, logprobs=None)
     finally:

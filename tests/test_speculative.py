@@ -387,10 +387,11 @@ def test_swiftkv_greedy_output_is_the_same_with_speculation(tiny_swiftkv_across,
     the token sampled at each step comes from the first of a request's several later-layer queries, which a model that
     kept only the last query per request gets wrong (checked: this test then fails). The same holds for prompts
     served from the prefix cache and for requests preempted and recomputed while drafts are being verified."""
-    from harness.engines import LLM_ARGS
-    from vllm import LLM
+    from harness.engines import offline_llm
 
-    llm = LLM(model=str(tiny_swiftkv_across), **LLM_ARGS, speculative_config=speculative)
+    # In its own process, as a SwiftKV engine must be to speculate: the request validator is kept out of the engine
+    # (which refuses logits processors under speculation) when vLLM pickles the config for the engine process.
+    llm = offline_llm(tiny_swiftkv_across, in_process=False, speculative_config=speculative)
     try:
         with_spec, counters, prompt_logprobs = swiftkv_greedy(llm, swiftkv_prompts())
     finally:

@@ -9,7 +9,6 @@ requests' decode tokens).
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from fractions import Fraction
 
@@ -19,7 +18,7 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.engine
 
-from harness.engines import BLOCK, LLM_ARGS, generate, prompt  # noqa: E402
+from harness.engines import BLOCK, LLM_ARGS, generate, offline_llm, prompt  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
@@ -34,12 +33,7 @@ PROMPT_LENGTHS = [1, 7, 31, 32, 33, 64, 65, 100, 150, 230]
 
 @pytest.fixture(scope="module")
 def engines(offline_engines):
-    # `describe` is sent to the engine's worker process as a function: this process sends it.
-    saved = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    yield offline_engines
-    if saved is None:
-        os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+    return offline_engines
 
 
 def kv_tokens(llm: LLM) -> int:
@@ -270,8 +264,8 @@ def test_swiftkv_fp8_kv_cache(engines, tiny_swiftkv_across, monkeypatch):
         with pytest.raises(UnsupportedSetting, match=r"kv_cache_dtype: fp8 needs a CPU with AVX-512 or AMX"):
             check_engine_args({"kv_cache_dtype": "fp8"}, on_cpu=True)
         engines.close()
-        with pytest.raises(Exception):  # noqa: B017 (vLLM raises whatever its engine process died of)
-            LLM(model=str(tiny_swiftkv_across), **{**ENGINE_ARGS, "kv_cache_dtype": "fp8", "enable_prefix_caching": False})
+        with pytest.raises(Exception):  # noqa: B017 (vLLM raises whatever its engine died of)
+            offline_llm(tiny_swiftkv_across, kv_cache_dtype="fp8", enable_prefix_caching=False)
 
 
 @pytest.mark.slow

@@ -106,30 +106,43 @@ LLM_ARGS = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=KV_BY
 NEW_TOKENS = 24
 
 
+def offline_llm(path, in_process: bool = True, **args):
+    """vLLM's offline LLM on `path` with LLM_ARGS (and `args`), by default its engine in this process: on CPU vLLM
+    otherwise spawns an engine core process and a worker process that each import vLLM again (about 12 s a start on two
+    cores, against 2 s; shutting down 4 s against 1 s). What the tests check (the model inside the engine) does not
+    depend on the process layout; the platform's engines keep vLLM's. The in-process worker replaces
+    `torch.set_num_threads` with a no-op for the whole process: it is put back."""
+    import torch
+    import vllm.envs
+    from vllm import LLM
+
+    set_num_threads, saved = torch.set_num_threads, os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"  # read at construction
+    vllm.envs.disable_envs_cache()  # an in-process engine core froze vLLM's environment variables for this process
+    try:
+        return LLM(model=str(path), **{**LLM_ARGS, **args})
+    finally:
+        vllm.envs.disable_envs_cache()
+        torch.set_num_threads = set_num_threads
+        if saved is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+
+
 class OfflineEngines:
-    """vLLM's offline LLM on a checkpoint with LLM_ARGS (and overrides), one alive at a time: asking for another
-    checkpoint or other settings shuts the current one down first. Shared by the run (conftest's `offline_engines`),
-    so a module that asks for the engine the one before it left running gets it without a start-up. Its processes
-    accept functions from the tests (LLM.apply_model), whatever this process allows."""
+    """vLLM's offline LLM on a checkpoint (`offline_llm`), one alive at a time: asking for another checkpoint or other
+    settings shuts the current one down first. Shared by the run (conftest's `offline_engines`), so a module that asks
+    for the engine the one before it left running gets it without a start-up."""
 
     def __init__(self):
         self.key, self.llm = None, None
 
     def get(self, path, **overrides):
-        from vllm import LLM
-
         key = (str(path), tuple(sorted(overrides.items())))
         if key != self.key:
             self.close()
-            saved = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the engine's processes start with it
-            try:
-                self.llm = LLM(model=str(path), **{**LLM_ARGS, **overrides})
-            finally:
-                if saved is None:
-                    os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION")
-                else:
-                    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = saved
+            self.llm = offline_llm(path, **overrides)
             self.key = key
         return self.llm
 
