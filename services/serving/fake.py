@@ -18,17 +18,19 @@ class FakeBackend:
     that `hold(request)` picks (default: all) before their first token until it is set; a request cancelled before its
     last output counts as aborted. `up` False: start, health and recover say the engines are down. `cache` (block size,
     capacity tokens) is what it reports of its KV cache, as an in-process engine does; `token_id`, when set, is the id
-    it reports for every token it answers (as an in-process engine reports its tokens' ids). It keeps every
+    it reports for every token it answers (as an in-process engine reports its tokens' ids). `check`, when given, sees
+    each request first and may refuse it (raise BadRequest) as an engine would. It keeps every
     request it was sent (`requests`; none with `record` False, for a load test's millions) and counts `waiting` (at the
     gate), `served` (past the gate) and `aborted`."""
 
     def __init__(self, name: str = "base", tokens: int | None = 1, delay: float = 0.0, text: str = "x", *, chunk: int = 1,
                  gate: asyncio.Event | None = None, hold: Callable[[GenerateRequest], bool] | None = None,
                  script: Callable[[GenerateRequest], Iterable[Output]] | None = None, up: bool = True, record: bool = True,
-                 cache: tuple[int, int] | None = None, token_id: int | None = None):
+                 cache: tuple[int, int] | None = None, token_id: int | None = None,
+                 check: Callable[[GenerateRequest], None] | None = None):
         self.name, self.tokens, self.delay, self.text, self.chunk = name, tokens, delay, text, chunk
         self.gate, self.hold, self.script, self.up = gate, hold or (lambda request: True), script, up
-        self.record, self.cache, self.token_id = record, cache, token_id
+        self.record, self.cache, self.token_id, self.check = record, cache, token_id, check
         self.error: Exception | None = None
         self.requests: list[GenerateRequest] = []
         self.waiting = self.served = self.aborted = 0
@@ -66,6 +68,8 @@ class FakeBackend:
             self.requests.append(request)
         if self.error is not None:
             raise self.error
+        if self.check is not None:
+            self.check(request)
         finished = False
         try:
             if self.gate is not None and self.hold(request):
