@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 from harness.engines import KEY
 from harness.engines import PUBLIC as SHARED_MODEL  # the shared platform's public model
+from harness.processes import tool_env
 from transformers import AutoTokenizer
 
 from swiftkv_core import data as D
@@ -265,7 +265,7 @@ def test_chat_multiturn_closed_loop_through_the_gateway(tiny_base, corpus, token
 
 
 def swiftkv(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}
+    env = tool_env()
     return subprocess.run([str(Path(sys.executable).parent / "swiftkv"), "bench", "platform", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, env=env)
 
@@ -490,7 +490,7 @@ def test_crosscheck_with_guidellm(running, tiny_base, corpus, tmp_path):
         pytest.fail("guidellm is not installed: run `make setup` (builds .tools/guidellm)")
     n, p_tok, o_tok = 10, 64, 16
     out = tmp_path / "crosscheck.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}
+    env = tool_env()
     r = subprocess.run([sys.executable, "-m", "loadtest.crosscheck", "--target", running, "--target-model", SHARED_MODEL,
                         "--api-key", KEY, "--tokenizer", str(tiny_base), "--text", str(corpus), "--profile", "constant", "--rate", "4", "--count", str(n),
                         "--prompt-tokens", str(p_tok), "--output-tokens", str(o_tok), "--warmup", "2", "--out", str(out)],
@@ -539,7 +539,7 @@ def test_span_starts_at_the_first_send(running, corpus, tokenizer):
 
 
 def soak(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}
+    env = tool_env()
     return subprocess.run([sys.executable, "-m", "loadtest.soak", *args], capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT, env=env)
 
@@ -607,7 +607,7 @@ def test_soak_stops_the_platform_on_ctrl_c(tiny_base, tiny_swiftkv, corpus, tmp_
     import psutil
 
     out = tmp_path / "soak.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}
+    env = tool_env()
     proc = subprocess.Popen([sys.executable, "-m", "loadtest.soak", "--rate", "1", "--duration", "120", "--interval", "2",
                              "--scale", "0.1", "--warmup", "0", "--base-model", str(tiny_base), "--swiftkv-model", str(tiny_swiftkv),
                              "--text", str(corpus), "--max-model-len", "512", "--kv-cache-mib", "32", "--dtype", "float32",

@@ -60,7 +60,8 @@ def start_platform(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> Server:
                            "--api-keys-file", str(work / "keys"),
                            env={"SWIFTKV_API_KEYS_FILE": str(work / "env-keys"),  # loses to --api-keys-file
                                 "VLLM_CPU_OMP_THREADS_BIND": "",  # an operator's binding would win over cpu_cores auto
-                                "SWIFTKV_LOG_LEVEL": "", "SWIFTKV_LOG_FORMAT": "", "SWIFTKV_LOG_FILE": ""})
+                                "SWIFTKV_LOG_LEVEL": "", "SWIFTKV_LOG_FORMAT": "", "SWIFTKV_LOG_FILE": "",
+                                "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})  # vLLM's CPU layout: an engine core and a worker
     server.start().wait(lambda: every_pool_ready(server.base) and "SwiftKV is serving" in server.log_path.read_text())
     server.console_at_ready = server.log_path.read_text().splitlines()
     server.killed_engines = 0  # engine cores a test killed with SIGKILL

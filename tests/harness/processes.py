@@ -20,6 +20,15 @@ BIN = Path(sys.executable).parent
 # What `swiftkv serve` would otherwise read from a developer's shell: each test names the keys, Redis and workers it wants.
 CLEAN_ENV = {"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": "", "SWIFTKV_REDIS_URL": "", "SWIFTKV_WORKERS": "",
              "SWIFTKV_DATABASE_URL": ""}
+# The engines of servers the tests start keep their worker in the engine core process (vLLM's uni executor, its layout
+# on one GPU): on CPU vLLM otherwise spawns a worker process per engine that imports vLLM again (about 6 s a start on
+# two cores). The shared platform keeps vLLM's CPU layout, which its tests check (harness.engines.start_platform).
+ONE_PROCESS_ENGINES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def tool_env() -> dict:
+    """The environment for a command the tests run that starts servers of its own (a benchmark, a soak)."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}, **ONE_PROCESS_ENGINES}
 
 
 def free_port() -> int:
@@ -50,7 +59,7 @@ class Server:
 
     def __init__(self, args: list[str], work: Path, base: str, name: str = "serve", env: dict | None = None, ready_path: str = "/ready"):
         self.args, self.work, self.base, self.name, self.ready_path = [str(a) for a in args], Path(work), base, name, ready_path
-        self.env = {**os.environ, **CLEAN_ENV, **(env or {})}
+        self.env = {**os.environ, **CLEAN_ENV, **ONE_PROCESS_ENGINES, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
