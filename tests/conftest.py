@@ -1,13 +1,15 @@
 """Shared fixtures: tiny checkpoints are built once per test session (no downloads, a few seconds), and the real
-engines the `engine` tests share are started once per run, on first use: `platform` (one `swiftkv serve --engine
-inprocess` with two pools), `vllm_server` (vLLM's own OpenAI server) and `offline_engines` (vLLM's offline LLM, one at a
-time). Tests marked `last` run after every other test, in the order their marker gives: they kill an engine of the
-shared platform, then stop it."""
+engines the `engine` tests share are started once per run: `platform` (one `swiftkv serve --engine inprocess` with two
+pools) and `vllm_server` (vLLM's own OpenAI server) when the run starts, where some collected test uses them, so their
+start-up (half a minute each on two cores) overlaps the modules that need neither, which run first;
+`offline_engines` (vLLM's offline LLM, one at a time) on first use. Tests marked `last` run after every other test,
+in the order their marker gives: they kill an engine of the shared platform, then stop it."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections import defaultdict
 from pathlib import Path
 
 # Tests never reach a model hub: everything they load is built locally (here, or by `models prepare`).
@@ -15,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
-from harness.engines import OfflineEngines, start_platform, start_vllm_server
+from harness.engines import OfflineEngines, launch_platform, launch_vllm_server, platform_ready
 from harness.postgres import fresh_postgres_database
 
 from swiftkv_core.convert import convert
@@ -92,24 +94,36 @@ def train_text(tmp_path_factory) -> Path:
 
 
 # ---- real engines, shared by the whole run ------------------------------------------------------------
-@pytest.fixture(scope="session")
-def platform(tiny_base, tiny_swiftkv, tmp_path_factory):
-    """The shared `swiftkv serve --engine inprocess` (harness.engines.platform_config), ready; stopped at the end."""
-    server = start_platform(tiny_base, tiny_swiftkv, tmp_path_factory.mktemp("platform"))
+SHARED_SERVERS = ("platform", "vllm_server")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_servers(request, tmp_path_factory):
+    """The shared servers some collected test uses, launched before the first test runs; stopped at the end."""
+    used = {name for item in request.session.items for name in SHARED_SERVERS if name in item.fixturenames}
+    servers = {}
     try:
-        yield server
+        if "platform" in used:
+            servers["platform"] = launch_platform(request.getfixturevalue("tiny_base"), request.getfixturevalue("tiny_swiftkv"),
+                                                  tmp_path_factory.mktemp("platform"))
+        if "vllm_server" in used:
+            servers["vllm_server"] = launch_vllm_server(request.getfixturevalue("tiny_base"), tmp_path_factory.mktemp("vllm-server"))
+        yield servers
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tiny_base, tmp_path_factory):
-    """Base URL of vLLM's OpenAI server on the tiny base model (harness.engines.start_vllm_server)."""
-    server = start_vllm_server(tiny_base, tmp_path_factory.mktemp("vllm-server"))
-    try:
-        yield server.base
-    finally:
-        server.stop()
+def platform(shared_servers):
+    """The shared `swiftkv serve --engine inprocess` (harness.engines.platform_config), ready."""
+    return platform_ready(shared_servers["platform"])
+
+
+@pytest.fixture(scope="session")
+def vllm_server(shared_servers):
+    """Base URL of vLLM's OpenAI server on the tiny base model (harness.engines.launch_vllm_server), ready."""
+    return shared_servers["vllm_server"].wait().base
 
 
 @pytest.fixture(scope="session")
@@ -124,9 +138,17 @@ def offline_engines():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `last(n)` after all others, by n: the shared platform serves every engine test before them."""
+    """Modules that use no shared server first (the shared servers start meanwhile), then the others, each module's
+    tests in their order; tests marked `last(n)` after all others, by n: the shared platform serves every engine test
+    before them."""
+    uses_shared = defaultdict(bool)
+    for item in items:
+        uses_shared[item.nodeid.split("::")[0]] |= any(name in item.fixturenames for name in SHARED_SERVERS)
+
     def order(item):
         mark = item.get_closest_marker("last")
-        return (0, 0) if mark is None else (1, mark.args[0] if mark.args else 0)
+        if mark is None:
+            return (0, uses_shared[item.nodeid.split("::")[0]], 0)
+        return (1, True, mark.args[0] if mark.args else 0)
 
-    items.sort(key=order)  # stable: every other test keeps its place
+    items.sort(key=order)  # stable: the order within each group stays

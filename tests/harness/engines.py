@@ -1,6 +1,6 @@
 """Real vLLM engines on the tiny checkpoints: their settings, the platform every engine test shares (one `swiftkv serve
---engine inprocess` for the whole run, started by the session fixture `platform` in conftest.py) and vLLM's own
-OpenAI server (the session fixture `vllm_server`)."""
+--engine inprocess` for the whole run, the session fixture `platform` in conftest.py) and vLLM's own OpenAI server (the
+session fixture `vllm_server`), both launched when the run starts and waited for where first used."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def platform_config(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> dict:
     }
 
 
-def start_platform(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> Server:
-    """The shared platform at the default log level, ready (every pool), its console up to then in `console_at_ready`."""
+def launch_platform(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> Server:
+    """The shared platform at the default log level, started (not yet ready: `platform_ready`)."""
     (work / "keys").write_text(f"{KEY}\n")
     (work / "env-keys").write_text(f"{ENV_ONLY_KEY}\n")
     server = swiftkv_serve(work, platform_config(tiny_base, tiny_swiftkv, work), "--engine", "inprocess",
@@ -62,7 +62,12 @@ def start_platform(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> Server:
                                 "VLLM_CPU_OMP_THREADS_BIND": "",  # an operator's binding would win over cpu_cores auto
                                 "SWIFTKV_LOG_LEVEL": "", "SWIFTKV_LOG_FORMAT": "", "SWIFTKV_LOG_FILE": "",
                                 "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})  # vLLM's CPU layout: an engine core and a worker
-    server.start().wait(lambda: every_pool_ready(server.base) and "SwiftKV is serving" in server.log_path.read_text())
+    return server.start()
+
+
+def platform_ready(server: Server) -> Server:
+    """The launched platform once ready (every pool), its console up to then in `console_at_ready`."""
+    server.wait(lambda: every_pool_ready(server.base) and "SwiftKV is serving" in server.log_path.read_text())
     server.console_at_ready = server.log_path.read_text().splitlines()
     server.killed_engines = 0  # engine cores a test killed with SIGKILL
     return server
@@ -86,15 +91,15 @@ def every_pool_ready(base: str) -> bool:
     return r.status_code == 200 and all(r.json()["pools"].values())
 
 
-def start_vllm_server(tiny_base: Path, work: Path) -> Server:
-    """vLLM's OpenAI server on the base checkpoint with the platform's base pool's engine arguments (sampling matches it
+def launch_vllm_server(tiny_base: Path, work: Path) -> Server:
+    """vLLM's OpenAI server (started, not yet ready: wait()) on the base checkpoint with the platform's base pool's engine arguments (sampling matches it
     token for token), its hermes tool parser and priority scheduling; plus a key, one logprob at most and three tokens
     per streamed chunk, which the remote backend's tests read."""
     a = engine_args()
     return vllm_openai_server(work, tiny_base, "--served-model-name", UPSTREAM, "--api-key", UPSTREAM_KEY,
                               "--max-model-len", a["max_model_len"], "--enforce-eager", "--dtype", a["dtype"],
                               "--kv-cache-memory-bytes", a["kv_cache_memory_bytes"], "--max-logprobs", "1", "--stream-interval", "3",
-                              "--scheduling-policy", "priority", "--enable-auto-tool-choice", "--tool-call-parser", "hermes").start().wait()
+                              "--scheduling-policy", "priority", "--enable-auto-tool-choice", "--tool-call-parser", "hermes").start()
 
 
 # ---- vLLM's offline LLM, for the tests of the SwiftKV model inside an engine -----------------------------------

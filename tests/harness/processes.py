@@ -22,7 +22,7 @@ CLEAN_ENV = {"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": "", "SWIFTKV_REDIS
              "SWIFTKV_DATABASE_URL": ""}
 # The engines of servers the tests start keep their worker in the engine core process (vLLM's uni executor, its layout
 # on one GPU): on CPU vLLM otherwise spawns a worker process per engine that imports vLLM again (about 6 s a start on
-# two cores). The shared platform keeps vLLM's CPU layout, which its tests check (harness.engines.start_platform).
+# two cores). The shared platform keeps vLLM's CPU layout, which its tests check (harness.engines.launch_platform).
 ONE_PROCESS_ENGINES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
