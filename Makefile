@@ -56,7 +56,7 @@ $(GUIDELLM_STAMP):
 	touch $@
 
 test: setup
-	$(VENV)/bin/pytest -x -q --timeout=1200 tests
+	$(VENV)/bin/pytest -x -q --timeout=1200 --durations=25 tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
