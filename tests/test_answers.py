@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness.processes import tool_env
 from transformers import AutoTokenizer
 
 from swiftkv_core.data import load_packed
@@ -44,6 +45,21 @@ def test_teacher_answers_are_the_teachers_greedy_answers(tiny_base, offline_engi
 
     packed = load_packed(out, tok, seq_len=256)  # the answers are the targets
     assert packed.target.any() and not packed.target.all()
+
+
+@pytest.mark.engine
+def test_the_command_writes_the_teachers_records(tiny_base, tmp_path):
+    """`swiftkv data answers` end to end, with the engine it starts (in the command's process: tool_env)."""
+    text = tmp_path / "train.jsonl"
+    text.write_text(TEXT)
+    out = tmp_path / "answers.jsonl"
+    res = subprocess.run([str(Path(sys.executable).parent / "swiftkv"), "data", "answers", "--base", str(tiny_base), "--text", str(text),
+                          "--out", str(out), "--num", "2", "--min-tokens", "40", "--max-tokens", "80", "--answer-tokens", "4",
+                          "--dtype", "float32"], capture_output=True, text=True, timeout=300, env=tool_env())
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert f"{len(records)} records -> {out}" in res.stdout and 1 <= len(records) <= 2
+    assert all(r["source"] == "teacher-answers" and r["messages"][1]["role"] == "assistant" for r in records)
 
 
 def test_refusals(tmp_path):

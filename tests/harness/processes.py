@@ -27,7 +27,8 @@ ONE_PROCESS_ENGINES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def tool_env() -> dict:
-    """The environment for a command the tests run that starts servers of its own (a benchmark, a soak)."""
+    """The environment for a command the tests run that starts engines of its own (a benchmark, a soak, `swiftkv data
+    answers`, whose offline engine then runs in the command's process)."""
     return {**{k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}, **ONE_PROCESS_ENGINES}
 
 
