@@ -141,14 +141,14 @@ def pytest_collection_modifyitems(config, items):
     """Modules that use no shared server first (the shared servers start meanwhile), then the others, each module's
     tests in their order; tests marked `last(n)` after all others, by n: the shared platform serves every engine test
     before them."""
-    uses_shared = defaultdict(bool)
+    uses_shared = defaultdict(bool)  # by module file
     for item in items:
-        uses_shared[item.nodeid.split("::")[0]] |= any(name in item.fixturenames for name in SHARED_SERVERS)
+        uses_shared[item.path] |= any(name in item.fixturenames for name in SHARED_SERVERS)
 
     def order(item):
         mark = item.get_closest_marker("last")
         if mark is None:
-            return (0, uses_shared[item.nodeid.split("::")[0]], 0)
+            return (0, uses_shared[item.path], 0)
         return (1, True, mark.args[0] if mark.args else 0)
 
     items.sort(key=order)  # stable: the order within each group stays

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from unittest import mock
 
 import httpx
 
@@ -92,9 +93,9 @@ def every_pool_ready(base: str) -> bool:
 
 
 def launch_vllm_server(tiny_base: Path, work: Path) -> Server:
-    """vLLM's OpenAI server (started, not yet ready: wait()) on the base checkpoint with the platform's base pool's engine arguments (sampling matches it
-    token for token), its hermes tool parser and priority scheduling; plus a key, one logprob at most and three tokens
-    per streamed chunk, which the remote backend's tests read."""
+    """vLLM's OpenAI server on the base checkpoint, started (not yet ready: wait()), with the platform's base pool's
+    engine arguments (sampling matches it token for token), its hermes tool parser and priority scheduling; plus a key,
+    one logprob at most and three tokens per streamed chunk, which the remote backend's tests read."""
     a = engine_args()
     return vllm_openai_server(work, tiny_base, "--served-model-name", UPSTREAM, "--api-key", UPSTREAM_KEY,
                               "--max-model-len", a["max_model_len"], "--enforce-eager", "--dtype", a["dtype"],
@@ -122,18 +123,15 @@ def offline_llm(path, in_process: bool = True, **args):
     import vllm.envs
     from vllm import LLM
 
-    set_num_threads, saved = torch.set_num_threads, os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"  # read at construction
-    vllm.envs.disable_envs_cache()  # an in-process engine core froze vLLM's environment variables for this process
-    try:
-        return LLM(model=str(path), **{**LLM_ARGS, **args})
-    finally:
+    set_num_threads = torch.set_num_threads
+    # read at construction; vLLM's cache of its environment, frozen by an in-process engine core, is reset around it
+    with mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}):
         vllm.envs.disable_envs_cache()
-        torch.set_num_threads = set_num_threads
-        if saved is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+        try:
+            return LLM(model=str(path), **{**LLM_ARGS, **args})
+        finally:
+            vllm.envs.disable_envs_cache()
+            torch.set_num_threads = set_num_threads
 
 
 class OfflineEngines:

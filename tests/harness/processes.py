@@ -27,9 +27,9 @@ ONE_PROCESS_ENGINES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def tool_env() -> dict:
-    """The environment for a command the tests run that starts engines of its own (a benchmark, a soak, `swiftkv data
-    answers`, whose offline engine then runs in the command's process)."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}, **ONE_PROCESS_ENGINES}
+    """The environment of a server or command the tests start: the shell's, without what CLEAN_ENV clears, its engines
+    in one process each (a benchmark's or soak's servers; `swiftkv data answers`' offline engine in its own process)."""
+    return {**os.environ, **CLEAN_ENV, **ONE_PROCESS_ENGINES}
 
 
 def free_port() -> int:
@@ -60,7 +60,7 @@ class Server:
 
     def __init__(self, args: list[str], work: Path, base: str, name: str = "serve", env: dict | None = None, ready_path: str = "/ready"):
         self.args, self.work, self.base, self.name, self.ready_path = [str(a) for a in args], Path(work), base, name, ready_path
-        self.env = {**os.environ, **CLEAN_ENV, **ONE_PROCESS_ENGINES, **(env or {})}
+        self.env = {**tool_env(), **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
