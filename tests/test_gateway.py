@@ -312,6 +312,10 @@ def test_metrics_after_traffic(server, client):
 
 
 def test_client_disconnect_aborts_the_engine_request(server, platform):
+    """A client that leaves before its answer, streamed or not, is counted gone and its engine request aborted. The
+    engine's core is stopped (SIGSTOP) while the clients leave, so no answer can be done first however fast the CPU
+    (an answer cannot be stopped mid-stream here: the tiny model finishes 480 tokens before a client that read its first
+    lines can leave; the mid-stream case is test_gateway_api.py's, over an engine stand-in that answers slowly)."""
     h = {"Authorization": f"Bearer {KEY}"}
     body = {"model": f"{PUBLIC}-base", "messages": [{"role": "user", "content": "go"}], "max_tokens": 480, "ignore_eos": True}
     engine = {"model_name": f"{PUBLIC}-base", "engine": "0"}
@@ -319,36 +323,28 @@ def test_client_disconnect_aborts_the_engine_request(server, platform):
     def left(m) -> float:
         return metric(m, "swiftkv_requests_total", pool="base", model=f"{PUBLIC}-base", status="client_disconnect")
 
-    before = scrape(server)
-    # streaming: the client leaves after the first lines
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json={**body, "stream": True}, headers=h, timeout=60) as r:
-        lines = r.iter_lines()
-        for _ in range(3):
-            next(lines)
-    wait_until(lambda: left(scrape(server)) - left(before) == 1, 20, "the stream's client counted as gone")
-    # non-streaming: the client leaves once the gateway has sent its request to the engine, whose core is stopped
-    # (SIGSTOP) meanwhile: the answer cannot be done before the client leaves, however fast the CPU
-    core, pending = engine_cores(platform)["base"], scrape(server)
+    core, before = engine_cores(platform)["base"], scrape(server)
     core.suspend()
     try:
-        with socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1]))) as conn:
-            payload = json.dumps(body).encode()
-            conn.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-            wait_until(lambda: metric(scrape(server), "swiftkv_route_decisions_total", pool="base") >
-                       metric(pending, "swiftkv_route_decisions_total", pool="base"), 30, "routed", every=0.05)
-        wait_until(lambda: left(scrape(server)) - left(before) == 2, 20, "the client counted as gone")
+        for gone, stream in enumerate((True, False), start=1):
+            # the client leaves once the gateway has sent its request to the engine
+            routed = metric(scrape(server), "swiftkv_route_decisions_total", pool="base")
+            with socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1]))) as conn:
+                payload = json.dumps({**body, "stream": stream}).encode()
+                conn.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+                wait_until(lambda r=routed: metric(scrape(server), "swiftkv_route_decisions_total", pool="base") > r, 30,
+                           "routed", every=0.05)
+            wait_until(lambda n=gone: left(scrape(server)) - left(before) == n, 20, f"the client counted as gone (stream {stream})")
     finally:
         core.resume()
-    # A request sent after the abort reaches the engine after it: once it is answered, the engine has read the abort.
+    # A request sent after the aborts reaches the engine after them: once it is answered, the engine has read them.
     probe = httpx.post(f"{server}/v1/chat/completions", json={**body, "max_tokens": 2}, headers=h, timeout=60).json()
     assert probe["usage"]["completion_tokens"] == 2
     wait_until(lambda: metric(scrape(server), "vllm:num_requests_running", **engine) == 0, 20,
                "the engine done with every request")
-    m = scrape(server)
-    left_alone = metric(m, "vllm:generation_tokens_total", **engine) - metric(pending, "vllm:generation_tokens_total", **engine) - 2
-    assert left_alone < 480, "the engine kept generating for a client that left"
-    assert metric(m, "vllm:generation_tokens_total", **engine) - metric(before, "vllm:generation_tokens_total", **engine) - 2 < 2 * 480
+    left_alone = metric(scrape(server), "vllm:generation_tokens_total", **engine) - metric(before, "vllm:generation_tokens_total", **engine) - 2
+    assert left_alone < 480, "the engine kept generating for clients that left"
 
 
 def test_remote_backend_streams_from_an_openai_server(server):

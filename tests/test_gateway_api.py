@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from harness import served_gateway, swiftkv_serve
+from harness import metric, scrape, served_gateway, swiftkv_serve, wait_until
 
 KEY = "sk-test-main"
 LIMITED_KEY = "sk-test-limited"  # 300 prompt tokens per minute
@@ -46,6 +46,30 @@ def test_unknown_model_is_404(client):
             client.chat.completions.create(model=f"{PUBLIC}-{old}", messages=[{"role": "user", "content": "hi"}])
         assert e.value.body["code"] == "model_not_found"
         assert f"'{PUBLIC}-{old}' was renamed to '{PUBLIC}-{new}'" in e.value.body["message"], e.value.body
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_engine_request(served, server):
+    """The client reads the first lines of a streamed answer and leaves: the gateway counts it gone and cancels the
+    engine's request (the fake engine answers one token every 0.2 s: 100 tokens take 20 s, so the answer cannot be
+    done first). The same with real engines, leaving before the first token: test_gateway.py."""
+    engine = served.served.backends["base"]
+    aborted, before = engine.aborted, scrape(server)
+    engine.delay = 0.2
+    try:
+        with httpx.stream("POST", f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                          json={"model": f"{PUBLIC}-base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100,
+                                "stream": True}) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+        wait_until(lambda: engine.aborted == aborted + 1, 10, "the engine's request cancelled")
+    finally:
+        engine.delay = 0.0
+    m = scrape(server)
+    gone = metric(m, "swiftkv_requests_total", pool="base", status="client_disconnect") - \
+        metric(before, "swiftkv_requests_total", pool="base", status="client_disconnect")
+    generated = metric(m, "swiftkv_generation_tokens_total", pool="base") - metric(before, "swiftkv_generation_tokens_total", pool="base")
+    assert gone == 1 and generated < 100
 
 
 def test_a_pools_own_model_name_pins_it(client):
