@@ -135,6 +135,9 @@ class PoolConfig(StrictModel):
                                         "list: several servers of the model, each request sent to the one its prompt's "
                                         "prefix and the servers' load choose (services/serving/replicas.py)")
     api_key: str | None = Field(None, description="bearer key for the remote server")
+    kv_events_endpoint: str | list[str] | None = Field(None, description="ZMQ endpoint where the remote server publishes vLLM's "
+                                                       "KV-cache events (its --kv-events-config endpoint, e.g. tcp://host:5557), "
+                                                       "one per url; read when routing.kv_events is on")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="vLLM AsyncEngineArgs fields")
     replicas: Replicas = Field(default_factory=Replicas)
     warmup: bool = True
@@ -165,6 +168,9 @@ class PoolConfig(StrictModel):
             raise ValueError("a remote pool needs `url`")
         if len(set(self.urls)) != len(self.urls):
             raise ValueError("`url` lists a server twice")
+        if self.kv_events_endpoint is not None and (self.backend != "remote" or len(self.kv_event_endpoints) != len(self.urls)):
+            raise ValueError("`kv_events_endpoint` is for remote pools, one per url (in-process engines publish theirs "
+                             "where the gateway reads them)")
         if self.backend == "remote" and self.ray_app:
             raise ValueError("`ray_app` is for engine pools on Ray; a remote pool is reached at its `url`")
         if self.backend == "remote" and self.speculative.enabled:
@@ -180,6 +186,12 @@ class PoolConfig(StrictModel):
     def urls(self) -> list[str]:
         """The remote servers of this pool (none for an engine pool)."""
         return [self.url] if isinstance(self.url, str) else list(self.url or [])
+
+    @property
+    def kv_event_endpoints(self) -> list[str]:
+        """The remote servers' KV-cache event endpoints (kv_events_endpoint as a list)."""
+        e = self.kv_events_endpoint
+        return [e] if isinstance(e, str) else list(e or [])
 
     def vllm_engine_args(self) -> dict[str, Any]:
         """The AsyncEngineArgs fields an engine of this pool starts with: engine_args plus `speculative`."""
@@ -221,6 +233,10 @@ class RoutingConfig(StrictModel):
     prefix_block_size: int | None = Field(None, ge=1, description="cache_aware: tokens per prefix-cache block, the engines' "
                                           "block_size; null: what in-process engines report (vLLM's CPU backend: 128), else "
                                           "16 (vLLM's default on GPUs)")
+    kv_events: bool = Field(False, description="cache_aware: correct the gateway's index with vLLM's KV-cache events (blocks "
+                            "stored, evicted, cleared) rather than predict evictions: in-process engines publish them on an "
+                            "IPC socket the gateway reads; remote pools where their `kv_events_endpoint` is set; Ray pools "
+                            "keep the prediction")
     prefix_cache_tokens: int | None = Field(None, ge=1, description="cache_aware: tokens of prompt prefixes one pool's engine "
                                             "keeps cached, its KV-cache capacity (vLLM's num_gpu_blocks * block_size); the "
                                             "gateway forgets the least recently sent beyond it. null: what in-process engines "

@@ -346,3 +346,189 @@ def test_the_blocks_an_answer_fills_are_recorded_for_the_next_turn(tiny_base):
             assert index.blocks("swiftkv") == 200 // BS
 
     asyncio.run(run())
+
+
+# ---- vLLM's KV-cache events (routing.kv_events) ---------------------------------------------------------------------
+class Publisher:
+    """vLLM's own KV-cache event publisher (ZmqEventPublisher, as an engine runs it) on `endpoint`."""
+
+    def __init__(self, endpoint: str):
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        self.pub = ZmqEventPublisher(0, endpoint=endpoint)
+
+    def send(self, *events) -> None:
+        import time
+
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.pub.publish(KVEventBatch(ts=time.time(), events=list(events)))
+
+    def until(self, condition, *events) -> None:
+        """Publish `events` until `condition()` holds: a subscriber that just connected misses what came before its
+        subscription reached the publisher (ZMQ's slow joiner)."""
+        import time
+
+        deadline = time.time() + 10
+        while not condition():
+            assert time.time() < deadline, "the events never arrived"
+            self.send(*events)
+            time.sleep(0.05)
+
+
+def stored(hashes, medium="GPU"):
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return BlockStored(block_hashes=[maybe_convert_block_hash(h) for h in hashes], parent_block_hash=None, token_ids=[],
+                       block_size=BS, lora_id=None, medium=medium, lora_name=None)
+
+
+def removed(hashes):
+    from vllm.distributed.kv_events import BlockRemoved
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in hashes], medium="GPU")
+
+
+def test_the_engines_kv_cache_events_correct_the_index(tmp_path):
+    """vLLM's publisher, its events as an engine sends them (integer block hashes, vLLM's default): blocks stored enter
+    the index, blocks removed leave it, a cleared cache empties it; an offloading tier's events (medium CPU) do not count."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_events import AllBlocksCleared
+
+    from services.common.kv_events import KVEventFeed
+
+    index = PrefixIndex(capacity_blocks=64, block_size=BS)
+    chain, other = index.hashes(tokens(4 * BS, 1)), index.hashes(tokens(2 * BS, 2))
+    pub = Publisher(f"ipc://{tmp_path}/kv-events")
+    feed = KVEventFeed(pub.pub.get_publisher_config().endpoint, lambda h: index.record("p", h), lambda h: index.removed("p", h),
+                       lambda: index.forget("p"))
+    feed.start()
+    try:
+        pub.until(lambda: index.cached_tokens("p", chain) == 4 * BS, stored(chain))
+        pub.until(lambda: index.cached_tokens("p", chain) == 2 * BS, removed(chain[2:3]))  # the chain holds up to the gap
+        n = feed.batches
+        pub.send(stored(other, medium="CPU"), stored(chain[2:3]))
+        pub.until(lambda: feed.batches > n)
+        assert index.cached_tokens("p", other) == 0 and index.cached_tokens("p", chain) == 4 * BS
+        pub.until(lambda: index.blocks("p") == 0, AllBlocksCleared())
+    finally:
+        feed.stop()
+        pub.pub.shutdown()
+
+
+def test_the_gateway_follows_each_pools_kv_cache_events(tiny_base, tmp_path):
+    """routing.kv_events through the app: the gateway subscribes to each pool's engines' events when it starts. The
+    SwiftKV engine evicts the history turn 1 left there: turn 2 goes where the ratio says, not to the evicted cache;
+    the engine stores it again and the base engine clears its cache: turn 2 follows the history to swiftkv."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_events import AllBlocksCleared
+
+    ends = {name: f"ipc://{tmp_path}/{name}.kv-events" for name in ("swiftkv", "base")}
+    cfg = platform_config(tiny_base, max_model_len=2048, routing={"prefix_min_distinct_tokens": 32, "prefix_block_size": BS,
+                                                                  "kv_events": True})
+    backends = {name: FakeBackend(name, kv_events=[ends[name]]) for name in ends}
+    served = InProcessGateway(cfg, backends, batch=False)
+    index = served.gateway.policy.index
+    pubs = {name: Publisher(end) for name, end in ends.items()}
+    history = "The quarterly report says revenue grew in every region. " * 20
+    turn2 = {"model": "m", "prompt": history + " Summarize it in detail.", "max_tokens": 400}
+
+    async def run():
+        await served.gateway.start()
+        assert len(served.gateway.kv_feeds) == 2
+        async with served.client() as c:
+            before = parse((await c.get("/metrics")).text)
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": history, "max_tokens": 5})
+            assert "pool=swiftkv; reason=ratio" in r.headers["x-swiftkv-route"], r.text
+            blocks = index.hashes(backends["swiftkv"].requests[-1].prompt_token_ids)
+            await asyncio.to_thread(pubs["swiftkv"].until, lambda: index.blocks("swiftkv") == 0, removed(blocks))
+            r = await c.post("/v1/completions", json=turn2)
+            assert "pool=base; reason=ratio" in r.headers["x-swiftkv-route"], r.text
+            await asyncio.to_thread(pubs["base"].until, lambda: index.blocks("base") == 0, AllBlocksCleared())
+            await asyncio.to_thread(pubs["swiftkv"].until, lambda: index.blocks("swiftkv") == len(blocks), stored(blocks))
+            r = await c.post("/v1/completions", json=turn2)
+            assert "pool=swiftkv; reason=prefix" in r.headers["x-swiftkv-route"], r.text
+            after = parse((await c.get("/metrics")).text)
+        await served.gateway.stop()
+        return before, after, len(blocks)
+
+    try:
+        before, after, n = asyncio.run(run())
+    finally:
+        gc.unfreeze()
+        for pub in pubs.values():
+            pub.pub.shutdown()
+    delta = lambda **labels: metric(after, "swiftkv_kv_cache_events_blocks_total", **labels) - \
+        metric(before, "swiftkv_kv_cache_events_blocks_total", **labels)  # noqa: E731
+    assert delta(pool="swiftkv", event="removed") >= n and delta(pool="swiftkv", event="stored") >= n
+    assert delta(pool="base", event="cleared") >= 1
+    assert all(not feed._thread.is_alive() for feed in served.gateway.kv_feeds)
+
+
+@pytest.mark.engine
+def test_a_vllm_engine_publishes_the_blocks_the_gateway_hashes(tiny_base, tmp_path):
+    """A real engine with kv_events_config as the gateway sets it for an in-process pool (services/serving/pools.py):
+    the blocks it stores for a prompt are those the gateway's index computes, so the events land on the index's own
+    keys: the prompt's full blocks, predicted cached, and nothing of a prompt it never saw."""
+    from harness.engines import BLOCK, generate, offline_llm, prompt
+
+    from services.common.kv_events import KVEventFeed
+
+    endpoint = f"ipc://{tmp_path}/engine.kv-events"
+    index = PrefixIndex(capacity_blocks=64, block_size=BLOCK)
+    feed = KVEventFeed(endpoint, lambda h: index.record("e", h), lambda h: index.removed("e", h), lambda: index.forget("e"))
+    feed.start()
+    llm = offline_llm(tiny_base, kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint})
+    try:
+        import time
+
+        deadline = time.time() + 30
+        warm = 0
+        while feed.batches == 0:  # until the subscription reached the engine's publisher (ZMQ's slow joiner)
+            assert time.time() < deadline, "no KV-cache events from the engine"
+            warm += 1
+            generate(llm, [prompt(2 * BLOCK, seed=100 + warm)], max_tokens=1, logprobs=None)
+            time.sleep(0.1)
+        ids = prompt(3 * BLOCK + 5, seed=1)
+        n = feed.batches
+        generate(llm, [ids], max_tokens=1, logprobs=None)
+        while feed.batches == n:
+            assert time.time() < deadline, "no events for the prompt"
+            time.sleep(0.05)
+        time.sleep(0.2)  # the step's batch and any after it
+        assert index.cached_tokens("e", index.hashes(ids)) == 3 * BLOCK
+        assert index.cached_tokens("e", index.hashes(prompt(3 * BLOCK, seed=2))) == 0
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        feed.stop()
+
+
+def test_where_each_pool_publishes_its_kv_cache_events(tiny_base):
+    """routing.kv_events: an in-process engine publishes on an IPC socket of the gateway's process (a kv_events_config
+    of the pool's own is kept); a remote pool's servers where kv_events_endpoint says, one per url; off: nowhere."""
+    from services.config import PoolConfig
+    from services.serving.engine import InProcessBackend
+    from services.serving.pools import engine_args_with_kv_events, remote_pool
+
+    cfg = platform_config(tiny_base, routing={"kv_events": True})
+    args = engine_args_with_kv_events("base", cfg.pools["base"], cfg)
+    events = args["kv_events_config"]
+    assert events["enable_kv_cache_events"] and events["publisher"] == "zmq" and events["endpoint"].startswith("ipc://")
+    assert InProcessBackend("base", "m", "m-base", args).kv_event_endpoints() == [events["endpoint"]]
+    own = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
+    cfg.pools["base"].engine_args["kv_events_config"] = own
+    assert engine_args_with_kv_events("base", cfg.pools["base"], cfg)["kv_events_config"] == own
+    off = platform_config(tiny_base)
+    assert "kv_events_config" not in engine_args_with_kv_events("base", off.pools["base"], off)
+    assert InProcessBackend("base", "m", "m-base", {}).kv_event_endpoints() == []
+
+    remote = PoolConfig(model="m", backend="remote", url=["http://a:8000", "http://b:8000"],
+                        kv_events_endpoint=["tcp://a:5557", "tcp://b:5557"])
+    assert remote_pool("base", remote, cfg).kv_event_endpoints() == ["tcp://a:5557", "tcp://b:5557"]
+    assert remote_pool("base", remote, off).kv_event_endpoints() == []  # routing.kv_events off: not read
+    with pytest.raises(ValueError, match="one per url"):
+        PoolConfig(model="m", backend="remote", url=["http://a:8000", "http://b:8000"], kv_events_endpoint="tcp://a:5557")
+    with pytest.raises(ValueError, match="for remote pools"):
+        PoolConfig(model="m", kv_events_endpoint="tcp://a:5557")

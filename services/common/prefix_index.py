@@ -6,7 +6,12 @@ sends (`block_hashes`, as vllm.v1.core.kv_cache_utils' `hash_block_tokens` with 
 full blocks, the first one chained on NONE_HASH) and keeps, per target, an LRU of the blocks it dispatched there,
 bounded by the target's KV-cache capacity in blocks (vLLM's num_gpu_blocks). `cached_tokens` is then the longest
 prefix of a prompt that target should still hold. It is a prediction: the engine also caches output blocks, running
-requests pin blocks the index counts as evictable, and a restarted engine starts empty (`forget`).
+requests pin blocks the index counts as evictable, and a restarted engine starts empty (`forget`). Where the engine
+publishes its KV-cache events (services/common/kv_events.py), they correct it: blocks it stored (`stored`), evicted
+(`removed`) or dropped all at once (`forget`).
+
+Blocks are keyed as vLLM's events name them (`block_key`: the hash's last 8 bytes as an integer, vLLM's default
+VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), so an event's hashes and the gateway's own meet.
 
 No vLLM import: the gateway image has none. The hashes match the engines' own when both use the same seed
 (PYTHONHASHSEED, else vLLM's fixed seed for sha256), though routing needs them consistent only within the gateway.
@@ -38,6 +43,11 @@ def none_hash(seed: str | None = None) -> bytes:
     return _sha256(seed)
 
 
+def block_key(block_hash: bytes | int) -> int:
+    """A block as vLLM's KV-cache events name it: an integer as they are, else the hash's last 8 bytes."""
+    return block_hash if isinstance(block_hash, int) else int.from_bytes(block_hash[-8:], "big")
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE, parent: bytes | None = None) -> list[bytes]:
     """The chained hashes of the full blocks of `token_ids` (a partial last block has none). Token ids must be Python
     ints, as vLLM's are: the hash is over their pickled tuple."""
@@ -61,7 +71,7 @@ class PrefixIndex:
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
         self._none_hash = none_hash(seed)
-        self._targets: dict[str, OrderedDict[bytes, None]] = {}
+        self._targets: dict[str, OrderedDict[int, None]] = {}
         self._capacity: dict[str, int] = {}  # targets whose engine reported its KV-cache capacity
         self._lock = threading.Lock()
 
@@ -81,20 +91,29 @@ class PrefixIndex:
         """The chained hashes of the full blocks of `token_ids`, continuing the chain after `parent` when given."""
         return block_hashes(token_ids, self.block_size, self._none_hash if parent is None else parent)
 
-    def record(self, target: str, hashes: Sequence[bytes]) -> None:
-        """`target` was sent a prompt with these blocks: they become its most recently used. Inserted last block
-        first, so that at capacity a chain loses its tail before its head (as vLLM frees a request's blocks), which
-        keeps the shorter prefix findable."""
+    def record(self, target: str, hashes: Sequence[bytes | int]) -> None:
+        """`target` was sent a prompt with these blocks, or its engine says it stored them: they become its most
+        recently used. Inserted last block first, so that at capacity a chain loses its tail before its head (as vLLM
+        frees a request's blocks), which keeps the shorter prefix findable."""
         if not hashes:
             return
         with self._lock:
             lru = self._targets.setdefault(target, OrderedDict())
             for h in reversed(hashes):
-                lru[h] = None
-                lru.move_to_end(h)
+                key = block_key(h)
+                lru[key] = None
+                lru.move_to_end(key)
             self._trim(target)
 
-    def cached_tokens(self, target: str, hashes: Sequence[bytes]) -> int:
+    def removed(self, target: str, hashes: Sequence[bytes | int]) -> None:
+        """`target`'s engine evicted these blocks from its prefix cache."""
+        with self._lock:
+            lru = self._targets.get(target)
+            if lru:
+                for h in hashes:
+                    lru.pop(block_key(h), None)
+
+    def cached_tokens(self, target: str, hashes: Sequence[bytes | int]) -> int:
         """Tokens of the longest prefix of these blocks that `target` holds (a lookup; it refreshes nothing)."""
         with self._lock:
             lru = self._targets.get(target)
@@ -102,7 +121,7 @@ class PrefixIndex:
                 return 0
             n = 0
             for h in hashes:
-                if h not in lru:
+                if block_key(h) not in lru:
                     break
                 n += 1
         return n * self.block_size

@@ -40,6 +40,8 @@ pool_prefill_rate = Gauge("swiftkv_pool_prefill_rate_tokens_per_second", "Measur
 # cache-aware routing (routing.cache_aware): the gateway's predictions, to set beside vLLM's prefix-cache hits and the
 # measured swiftkv_time_to_first_token_seconds
 prefix_cached_tokens = Counter("swiftkv_route_prefix_cached_tokens", "Prompt tokens the gateway predicted cached in the prefix cache of the pool it sent them to", ("pool",))
+kv_cache_events = Counter("swiftkv_kv_cache_events_blocks", "Blocks named in the KV-cache events a pool's engines published "
+                          "(routing.kv_events): stored, removed; cleared counts whole-cache clears", ("pool", "event"))
 predicted_ttft = Histogram("swiftkv_route_predicted_ttft_seconds", "Time to first token the gateway predicted for the pool it sent the request to (its wait plus the uncached prompt over its prefill rate)", ("pool",), buckets=TTFT_BUCKETS)
 
 

@@ -55,14 +55,20 @@ class Gateway:
         self.pools = self.lifecycle.pools
         self.admission = Admission(cfg, self.pools, prompter, keys, self.off_loop)
         self.limiter = self.admission.limiter
+        self.kv_feeds: list = []  # the engines' KV-cache events, followed once started (routing.kv_events)
         self.dispatch = Dispatcher(self.pools, self.policy, self.limiter, self.admission.output_estimate,
                                    self.lifecycle.set_ready, self.lifecycle.retry_after)
 
     async def start(self) -> None:
+        if self.policy.index is not None and self.cfg.routing.kv_events:  # subscribed before the engines publish
+            self.kv_feeds = [self.policy.follow_kv_events(name, endpoint)
+                             for name, pool in self.pools.items() for endpoint in pool.backend.kv_event_endpoints()]
         await self.lifecycle.start()
 
     async def stop(self) -> None:
         await self.lifecycle.stop()
+        for feed in self.kv_feeds:
+            feed.stop()
 
     @property
     def started(self) -> bool:

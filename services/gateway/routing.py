@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from services.common.kv_events import KVEventFeed
 from services.common.prefix_index import PrefixIndex
 from services.config import DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_TOKENS, POOL_NAMES, RoutingConfig
 from services.serving.backend import Backend
@@ -164,6 +165,28 @@ class RoutePolicy:
         """The pool went down: whatever it held in its prefix cache is gone."""
         if self.index is not None:
             self.index.forget(pool)
+
+    def follow_kv_events(self, pool: str, endpoint: str) -> KVEventFeed:
+        """A feed of one of `pool`'s engines' KV-cache events (routing.kv_events) that corrects the index: blocks the
+        engine stored or evicted, its cache cleared. Started; the caller stops it. The index is looked up at each event
+        (adopt_engine_cache may replace it)."""
+        def stored(hashes) -> None:
+            metrics.kv_cache_events.labels(pool, "stored").inc(len(hashes))
+            if self.index is not None:
+                self.index.record(pool, hashes)
+
+        def removed(hashes) -> None:
+            metrics.kv_cache_events.labels(pool, "removed").inc(len(hashes))
+            if self.index is not None:
+                self.index.removed(pool, hashes)
+
+        def cleared() -> None:
+            metrics.kv_cache_events.labels(pool, "cleared").inc()
+            self.forget(pool)
+
+        feed = KVEventFeed(endpoint, stored, removed, cleared)
+        feed.start()
+        return feed
 
     def cached_tokens(self, pool: str, prompt_tokens: int, blocks: Sequence[bytes]) -> int:
         """Prompt tokens `pool` should find in its prefix cache; never the last one (vLLM computes at least one)."""

@@ -112,6 +112,10 @@ class Backend(Protocol):
         """(block size, capacity in tokens) of the engine's KV cache once started, for the gateway's prefix-cache
         index; None where the gateway cannot know it (remote servers, Ray replicas)."""
 
+    def kv_event_endpoints(self) -> list[str]:
+        """ZMQ endpoints where the engines publish vLLM's KV-cache events, for the gateway's prefix-cache index to
+        follow (services/common/kv_events.py); none where they do not (Ray replicas, or not configured)."""
+
     async def recover(self) -> None:
         """Bring a backend whose health check fails back if it takes action (restart a dead engine, deploy
         again, reconnect); return when it may serve again, raise if it cannot yet."""

@@ -233,6 +233,10 @@ class VLLMEngine:
         """The engine is gone (its core process died or it was never built): only a restart helps."""
         return self.llm is None or self.llm.errored
 
+    def kv_event_endpoints(self) -> list[str]:
+        events = self.engine_args.get("kv_events_config") or {}
+        return [events["endpoint"]] if events.get("enable_kv_cache_events") and events.get("publisher", "null") == "zmq" else []
+
     def prefix_cache(self) -> tuple[int, int] | None:
         if self.llm is None:
             return None

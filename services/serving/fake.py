@@ -19,7 +19,8 @@ class FakeBackend:
     last output counts as aborted. `up` False: start, health and recover say the engines are down. `cache` (block size,
     capacity tokens) is what it reports of its KV cache, as an in-process engine does; `token_id`, when set, is the id
     it reports for every token it answers (as an in-process engine reports its tokens' ids). `check`, when given, sees
-    each request first and may refuse it (raise BadRequest) as an engine would. It keeps every
+    each request first and may refuse it (raise BadRequest) as an engine would; `kv_events`, the endpoints where its
+    engines would publish KV-cache events (a test publishes there). It keeps every
     request it was sent (`requests`; none with `record` False, for a load test's millions) and counts `waiting` (at the
     gate), `served` (past the gate) and `aborted`."""
 
@@ -27,10 +28,11 @@ class FakeBackend:
                  gate: asyncio.Event | None = None, hold: Callable[[GenerateRequest], bool] | None = None,
                  script: Callable[[GenerateRequest], Iterable[Output]] | None = None, up: bool = True, record: bool = True,
                  cache: tuple[int, int] | None = None, token_id: int | None = None,
-                 check: Callable[[GenerateRequest], None] | None = None):
+                 check: Callable[[GenerateRequest], None] | None = None, kv_events: Iterable[str] = ()):
         self.name, self.tokens, self.delay, self.text, self.chunk = name, tokens, delay, text, chunk
         self.gate, self.hold, self.script, self.up = gate, hold or (lambda request: True), script, up
         self.record, self.cache, self.token_id, self.check = record, cache, token_id, check
+        self.kv_events = tuple(kv_events)
         self.error: Exception | None = None
         self.requests: list[GenerateRequest] = []
         self.waiting = self.served = self.aborted = 0
@@ -44,6 +46,9 @@ class FakeBackend:
 
     def prefix_cache(self) -> tuple[int, int] | None:
         return self.cache
+
+    def kv_event_endpoints(self) -> list[str]:
+        return list(self.kv_events)
 
     async def recover(self) -> None:
         if not self.up:

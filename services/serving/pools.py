@@ -60,15 +60,17 @@ def remote_pool(name: str, pool: PoolConfig, cfg: PlatformConfig) -> Backend:
     from .remote import RemoteBackend
 
     model = pool.served_model_name or pool.model
+    events = pool.kv_event_endpoints if cfg.routing.kv_events else []
+    events += [None] * (len(pool.urls) - len(events))
     if len(pool.urls) == 1:
-        return RemoteBackend(name, pool.urls[0], model, pool.api_key)
+        return RemoteBackend(name, pool.urls[0], model, pool.api_key, kv_events=events[0])
     from urllib.parse import urlsplit
 
     from services.config import DEFAULT_BLOCK_SIZE
 
     from .replicas import ReplicaChooser, ReplicaSet
 
-    replicas = {urlsplit(url).netloc or url: RemoteBackend(name, url, model, pool.api_key) for url in pool.urls}
+    replicas = {urlsplit(url).netloc or url: RemoteBackend(name, url, model, pool.api_key, kv_events=e) for url, e in zip(pool.urls, events)}
     r = cfg.routing
     chooser = ReplicaChooser(list(replicas), r.prefix_block_size or DEFAULT_BLOCK_SIZE, r.prefix_min_distinct_tokens,
                              r.balance_margin_tokens, r.decode_token_cost)
@@ -97,5 +99,19 @@ def build_backends(cfg: PlatformConfig, engine: EngineKind) -> dict[str, Backend
         else:
             from .engine import InProcessBackend
 
-            backends[name] = InProcessBackend(name, pool.model, served, pool.vllm_engine_args(), pool.warmup, cpu_bind=binds.get(name))
+            backends[name] = InProcessBackend(name, pool.model, served, engine_args_with_kv_events(name, pool, cfg), pool.warmup,
+                                              cpu_bind=binds.get(name))
     return backends
+
+
+def engine_args_with_kv_events(name: str, pool: PoolConfig, cfg: PlatformConfig) -> dict:
+    """An in-process engine's args: with routing.kv_events (cache-aware routing), vLLM publishes its KV-cache events on
+    an IPC socket of this process's (a kv_events_config of the pool's own is kept)."""
+    args = pool.vllm_engine_args()
+    if not (cfg.routing.kv_events and cfg.routing.cache_aware) or "kv_events_config" in args:
+        return args
+    import os
+    import tempfile
+
+    endpoint = f"ipc://{tempfile.gettempdir()}/swiftkv-{os.getpid()}-{name}.kv-events"
+    return {**args, "kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}}

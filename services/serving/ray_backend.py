@@ -138,6 +138,9 @@ class RayBackend:
             if not finished:
                 stream.cancel()
 
+    def kv_event_endpoints(self) -> list[str]:
+        return []  # each replica's engine is on its own node; the replica router keeps its own index (ray_router.py)
+
     def prefix_cache(self) -> None:
         return None  # not reported over HTTP: routing.prefix_block_size / prefix_cache_tokens, or their defaults
 

@@ -38,8 +38,10 @@ def request_fields(sampling: SamplingOptions) -> dict:
 
 
 class RemoteBackend:
-    def __init__(self, name: str, url: str, model: str, api_key: str | None = None, timeout: float = 600.0):
+    def __init__(self, name: str, url: str, model: str, api_key: str | None = None, timeout: float = 600.0,
+                 kv_events: str | None = None):
         self.name = name
+        self.kv_events = kv_events  # where the server publishes vLLM's KV-cache events, if it does
         self.base = url.rstrip("/")
         if not self.base.endswith("/v1"):
             self.base += "/v1"
@@ -123,6 +125,9 @@ class RemoteBackend:
             num_tokens = 1 if c.get("text") else 0
         counted[index] = counted.get(index, 0) + num_tokens
         return ChoiceDelta(index, c.get("text", ""), num_tokens, c.get("finish_reason"), logprobs)
+
+    def kv_event_endpoints(self) -> list[str]:
+        return [self.kv_events] if self.kv_events else []
 
     def prefix_cache(self) -> None:
         return None  # not reported over HTTP: routing.prefix_block_size / prefix_cache_tokens, or their defaults

@@ -135,6 +135,9 @@ class ReplicaSet:
     def prefix_cache(self) -> None:
         return None
 
+    def kv_event_endpoints(self) -> list[str]:
+        return [e for backend in self.replicas.values() for e in backend.kv_event_endpoints()]
+
     async def health(self) -> bool:
         for replica, backend in self.replicas.items():
             self.chooser.up[replica] = await backend.health()
