@@ -151,6 +151,32 @@ def test_modes_render_their_engines():
     assert gw["template"]["spec"]["containers"][0]["image"].startswith("swiftkv/engine-cpu:")
 
 
+def test_kv_events_in_plain_deployments_reach_the_gateway(tmp_path):
+    """platform.routing.kv_events with engine servers: each publishes its KV-cache events on port 5557 (flag, container
+    port, Service port) and the gateway's pool reads them there; several servers behind one Service are refused."""
+    from services.config import load_config
+
+    preset = ROOT / "deploy/helm/presets/plain-deployments.yaml"
+    objs = render(preset, "--set", "platform.routing.kv_events=true")
+    for pool in ("swiftkv", "base"):
+        server = find(objs, "Deployment", f"engine-{pool}")[0]["spec"]["template"]["spec"]["containers"][0]
+        flag = server["args"].index("--kv-events-config")
+        assert json.loads(server["args"][flag + 1]) == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
+        assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in server["ports"]
+        service = [s for s in find(objs, "Service", f"engine-{pool}") if s["spec"].get("selector")][0]
+        assert {"name": "kv-events", "port": 5557, "targetPort": "kv-events", "protocol": "TCP"} in service["spec"]["ports"]
+    text = find(objs, "ConfigMap", "platform")[0]["data"]["platform.yaml"]
+    cfg = yaml.safe_load(text)
+    assert cfg["pools"]["swiftkv"]["kv_events_endpoint"] == "tcp://swiftkv-engine-swiftkv:5557"
+    path = tmp_path / "platform.yaml"
+    path.write_text(text)
+    assert load_config(path).routing.kv_events
+    assert "--kv-events-config" not in find(render(preset), "Deployment", "engine-base")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    r = run(tool("helm"), "template", "swiftkv", CHART, *values_args(preset), "--set", "platform.routing.kv_events=true",
+            "--set", "platform.pools.base.replicas.min=2", check=False)
+    assert r.returncode != 0 and "pools.base.replicas.min must be 1" in r.stderr
+
+
 def test_every_pod_runs_as_non_root():
     for values in VALUE_SETS:
         for obj in render(values):

@@ -106,11 +106,22 @@ swiftkv-{{ . }}
 {{- $pools := dict -}}
 {{- range $name, $pool := .Values.platform.pools -}}
 {{- $served := include "swiftkv.servedName" (list $ $name) -}}
-{{- $_ := set $pools $name (dict "backend" "remote" "model" $pool.model "tokenizer" ($pool.tokenizer | default $pool.model) "served_model_name" $served "url" (printf "http://%s:8000/v1" (include "swiftkv.poolService" (list $ $name)))) -}}
+{{- $remote := dict "backend" "remote" "model" $pool.model "tokenizer" ($pool.tokenizer | default $pool.model) "served_model_name" $served "url" (printf "http://%s:8000/v1" (include "swiftkv.poolService" (list $ $name))) -}}
+{{- if include "swiftkv.kvEvents" $ -}}
+{{- $_ := set $remote "kv_events_endpoint" (printf "tcp://%s:5557" (include "swiftkv.poolService" (list $ $name))) -}}
+{{- end -}}
+{{- $_ := set $pools $name $remote -}}
 {{- end -}}
 {{- $_ := set $cfg "pools" $pools -}}
 {{- end -}}
 {{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* "true" when the gateway follows the engines' KV-cache events (platform.routing.kv_events): each engine server
+publishes them on port 5557 and the gateway subscribes there. */}}
+{{- define "swiftkv.kvEvents" -}}
+{{- $routing := .Values.platform.routing | default dict -}}
+{{- if and $routing.kv_events (ne (toString $routing.cache_aware) "false") -}}true{{- end -}}
 {{- end -}}
 
 {{/* A pool's `speculative` as vLLM's --speculative-config JSON (unset fields left out); empty when it is off. */}}
