@@ -171,6 +171,9 @@ class PoolConfig(StrictModel):
         if self.kv_events_endpoint is not None and (self.backend != "remote" or len(self.kv_event_endpoints) != len(self.urls)):
             raise ValueError("`kv_events_endpoint` is for remote pools, one per url (in-process engines publish theirs "
                              "where the gateway reads them)")
+        for endpoint in self.kv_event_endpoints:
+            if not endpoint.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"`kv_events_endpoint` {endpoint!r} is not a ZMQ endpoint: tcp://host:port or ipc://path")
         if self.backend == "remote" and self.ray_app:
             raise ValueError("`ray_app` is for engine pools on Ray; a remote pool is reached at its `url`")
         if self.backend == "remote" and self.speculative.enabled:

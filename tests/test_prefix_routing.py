@@ -532,3 +532,5 @@ def test_where_each_pool_publishes_its_kv_cache_events(tiny_base):
         PoolConfig(model="m", backend="remote", url=["http://a:8000", "http://b:8000"], kv_events_endpoint="tcp://a:5557")
     with pytest.raises(ValueError, match="for remote pools"):
         PoolConfig(model="m", kv_events_endpoint="tcp://a:5557")
+    with pytest.raises(ValueError, match="not a ZMQ endpoint: tcp://host:port"):
+        PoolConfig(model="m", backend="remote", url="http://a:8000", kv_events_endpoint="a:5557")

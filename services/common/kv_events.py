@@ -35,6 +35,12 @@ class KVEventFeed:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        try:
+            import msgspec  # noqa: F401
+            import zmq  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(f"routing.kv_events reads vLLM's KV-cache events with pyzmq and msgspec: {e} "
+                               "(pip install pyzmq msgspec)") from e
         self._thread = threading.Thread(target=self._run, name=f"kv-events {self.endpoint}", daemon=True)
         self._thread.start()
         self._subscribed.wait(5)
