@@ -250,9 +250,14 @@ def test_a_conversations_second_turn_hits_the_engines_prefix_cache_where_the_gat
     """A conversation's second turn goes back to the pool that served the first (both prompt-heavy), and vLLM's
     prefix-cache hit counter on that pool rises by exactly the tokens the gateway's index predicted cached there (its
     blocks of 128 tokens, as the engines reported at start), the blocks the first answer filled included: the history
-    of the second turn carries that answer."""
+    of the second turn carries that answer. The engine's KV-cache events (routing.kv_events, from its core process)
+    reached the gateway: at least the first turn's three full blocks stored."""
     import random
 
+    def stored(m, pool: str) -> float:
+        return metric(m, "swiftkv_kv_cache_events_blocks_total", pool=pool, event="stored")
+
+    start = scrape(server)
     rng = random.Random(11)
     words = ["river", "town", "ledger", "harbor", "quarry", "lantern", "meadow", "copper", "signal", "orchard"]
     # 347 prompt tokens (2 full blocks) and an answer of 85 that fills a third: prompt-heavy (ratio 4.08), like the second
@@ -273,6 +278,7 @@ def test_a_conversations_second_turn_hits_the_engines_prefix_cache_where_the_gat
     # The third block is a hit where the answer's text tokenizes back to the ids the engine generated (the index hashes
     # the generated ids, vLLM the ids of the second prompt): on either side of that, the prediction is vLLM's count.
     assert hits >= 2 * 128 and hits == predicted, (hits, predicted)
+    wait_until(lambda: stored(scrape(server), pool) - stored(start, pool) >= 3, 10, "the engine's KV-cache events at the gateway")
     print(f"second turn: {hits} prompt tokens found cached, as predicted")
 
 

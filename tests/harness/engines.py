@@ -36,7 +36,8 @@ def swiftkv_plugin_available() -> bool:
 
 def platform_config(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> dict:
     """Two pools with priority scheduling: swiftkv (the SwiftKV model, one sequence at a time so requests queue and
-    priority decides who runs next; no tool-call parser) and base (the base model, vLLM's hermes parser)."""
+    priority decides who runs next; no tool-call parser) and base (the base model, vLLM's hermes parser); the
+    gateway's prefix-cache index follows the engines' KV-cache events."""
     swiftkv = tiny_swiftkv if swiftkv_plugin_available() else tiny_base
     return {
         "model": PUBLIC,
@@ -45,7 +46,7 @@ def platform_config(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> dict:
             "swiftkv": {"model": str(swiftkv), "engine_args": engine_args(scheduling_policy="priority", max_num_seqs=1)},
             "base": {"model": str(tiny_base), "engine_args": engine_args(scheduling_policy="priority"), "tool_call_parser": "hermes"},
         },
-        "routing": {"ratio_threshold": 4.0},
+        "routing": {"ratio_threshold": 4.0, "kv_events": True},  # the index follows the engines' KV-cache events
         "limits": {"max_body_bytes": 200_000},
         # a health check slower than a request: requests meet a dead engine before the watcher takes its pool out
         "health": {"period_seconds": 3.0, "shutdown_grace_seconds": 30.0},
