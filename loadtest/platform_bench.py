@@ -9,6 +9,9 @@ in-process engines, same engine arguments and KV budget each), measured, and sto
     routed-cache
              the same pools with the platform's default routing: the ratio's intent, overridden by the pools'
              predicted work (balance) and by what each holds in its prefix cache (cache_aware)
+    routed-events
+             routed-cache with the gateway's prefix-cache index following the engines' KV-cache events
+             (routing.kv_events) instead of predicting what they evict
     base     both pools serve the base model; requests alternate between the two pools' own model names
              (round-robin over two replicas, through the same gateway)
     swiftkv  both pools serve the SwiftKV model, round-robin likewise
@@ -68,6 +71,7 @@ LAYOUTS: dict[str, tuple[str, dict]] = {
     "swiftkv": ("swiftkv", {}),
     "routed-spec": ("routed", {}),
     "base-spec": ("base", {}),
+    "routed-events": ("routed", {"kv_events": True}),
 }
 CONFIGS = tuple(LAYOUTS)
 DEFAULT_CONFIGS = ("routed", "routed-cache", "base", "swiftkv")

@@ -646,18 +646,20 @@ NGRAM_BLOCK = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_mi
 def test_spec_configurations_speculate_on_every_pool(tmp_path):
     """routed-spec and base-spec are routed-cache and base with each pool's `speculative` block set (the project's
     defaults: ngram, 4 tokens, n-grams of 2 to 4); the others have none. routed is routed-cache with the ratio alone
-    deciding. Each is a platform config `swiftkv serve` accepts, whose engines get vLLM's speculative_config from the
+    deciding, routed-events routed-cache with the index following the engines' KV-cache events. Each is a platform config `swiftkv serve` accepts, whose engines get vLLM's speculative_config from the
     block."""
     from loadtest.platform_bench import CONFIGS, DEFAULT_CONFIGS, PUBLIC, PlatformBenchConfig, model_names, platform_config
     from services.config import PlatformConfig
 
-    assert CONFIGS == ("routed", "routed-cache", "base", "swiftkv", "routed-spec", "base-spec") and DEFAULT_CONFIGS == CONFIGS[:4]
+    assert CONFIGS == ("routed", "routed-cache", "base", "swiftkv", "routed-spec", "base-spec", "routed-events")
+    assert DEFAULT_CONFIGS == CONFIGS[:4]
     base, swift = checkpoint(tmp_path / "base", False), checkpoint(tmp_path / "swiftkv", True)
     cfg = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift))
     assert cfg.configs == list(DEFAULT_CONFIGS)  # the -spec ones run when asked for
     built = {name: platform_config(name, cfg, 8123) for name in CONFIGS}
     models = {name: (c["pools"]["swiftkv"]["model"], c["pools"]["base"]["model"]) for name, c in built.items()}
-    assert models["routed"] == models["routed-cache"] == models["routed-spec"] == (str(swift.resolve()), str(base.resolve()))
+    assert models["routed"] == models["routed-cache"] == models["routed-spec"] == models["routed-events"] == (
+        str(swift.resolve()), str(base.resolve()))
     assert models["base"] == models["base-spec"] == (str(base.resolve()), str(base.resolve()))
     assert models["swiftkv"] == (str(swift.resolve()), str(swift.resolve()))
     for name, c in built.items():
@@ -670,6 +672,7 @@ def test_spec_configurations_speculate_on_every_pool(tmp_path):
             assert {**c, "pools": {p: {k: v for k, v in pool.items() if k != "speculative"} for p, pool in c["pools"].items()}} == plain
         platform = PlatformConfig.model_validate(c)
         assert (platform.routing.balance, platform.routing.cache_aware) == ((False, False) if name == "routed" else (True, True))
+        assert platform.routing.kv_events == (name == "routed-events")  # the index follows the engines' events
         for pool in platform.pools.values():
             assert pool.vllm_engine_args().get("speculative_config") == (NGRAM_BLOCK if speculating else None)
     assert model_names("routed-spec") == model_names("routed") == [PUBLIC]
