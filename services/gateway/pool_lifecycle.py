@@ -104,13 +104,17 @@ class PoolLifecycle:
                 log.warning("pool %s: recovery failed (%s: %s); next attempt in %.0f s", pool.name, type(e).__name__, e, delay)
 
     async def stop(self) -> None:
+        """Stop every pool's backend at once: each engine's shutdown waits on its own processes (seconds each)."""
         for t in self._tasks:
             t.cancel()
-        for pool in self.pools.values():
+
+        async def stop(pool: PoolState) -> None:
             try:
                 await pool.backend.stop()
             except Exception:
                 log.exception("stopping pool %s", pool.name)
+
+        await asyncio.gather(*(stop(pool) for pool in self.pools.values()))
 
     @property
     def ready(self) -> bool:

@@ -255,8 +255,8 @@ class VLLMEngine:
     async def stop(self) -> None:
         with self._swap:
             llm, self.llm, self.ready, self.stopped = self.llm, None, False, True
-        if llm is not None:
-            llm.shutdown(timeout=SHUTDOWN_SECONDS)
+        if llm is not None:  # off the event loop: the shutdown waits on the engine's processes (vLLM allows other threads)
+            await asyncio.to_thread(llm.shutdown, timeout=SHUTDOWN_SECONDS)
 
 
 class InProcessBackend(VLLMEngine):
