@@ -464,7 +464,7 @@ def test_the_gateway_follows_each_pools_kv_cache_events(tiny_base, tmp_path):
         metric(before, "swiftkv_kv_cache_events_blocks_total", **labels)  # noqa: E731
     assert delta(pool="swiftkv", event="removed") >= n and delta(pool="swiftkv", event="stored") >= n
     assert delta(pool="base", event="cleared") >= 1
-    assert all(not feed._thread.is_alive() for feed in served.gateway.kv_feeds)
+    assert not any(feed.running for feed in served.gateway.kv_feeds)
 
 
 @pytest.mark.engine
@@ -517,9 +517,11 @@ def test_where_each_pool_publishes_its_kv_cache_events(tiny_base):
     events = args["kv_events_config"]
     assert events["enable_kv_cache_events"] and events["publisher"] == "zmq" and events["endpoint"].startswith("ipc://")
     assert InProcessBackend("base", "m", "m-base", args).kv_event_endpoints() == [events["endpoint"]]
-    own = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
+    own = {"enable_kv_cache_events": True}  # vLLM's defaults: zmq, bound on tcp://*:5557
     cfg.pools["base"].engine_args["kv_events_config"] = own
     assert engine_args_with_kv_events("base", cfg.pools["base"], cfg)["kv_events_config"] == own
+    assert InProcessBackend("base", "m", "m-base", {"kv_events_config": own}).kv_event_endpoints() == ["tcp://127.0.0.1:5557"]
+    assert InProcessBackend("base", "m", "m-base", {"kv_events_config": {**own, "publisher": "null"}}).kv_event_endpoints() == []
     off = platform_config(tiny_base)
     assert "kv_events_config" not in engine_args_with_kv_events("base", off.pools["base"], off)
     assert InProcessBackend("base", "m", "m-base", {}).kv_event_endpoints() == []

@@ -20,6 +20,16 @@ log = logging.getLogger("swiftkv.kv_events")
 Blocks = Callable[[Sequence[bytes | int]], None]
 
 
+def local_endpoint(kv_events_config: dict) -> str | None:
+    """Where to subscribe to the events of an engine on this host started with `kv_events_config` (vLLM's
+    KVEventsConfig fields, its defaults: publisher zmq once enabled, endpoint tcp://*:5557); None when it publishes
+    none. A bind address's wildcard host becomes this host."""
+    if not kv_events_config.get("enable_kv_cache_events") or (kv_events_config.get("publisher") or "zmq") != "zmq":
+        return None
+    endpoint = kv_events_config.get("endpoint") or "tcp://*:5557"
+    return endpoint.replace("://*:", "://127.0.0.1:").replace("://0.0.0.0:", "://127.0.0.1:")
+
+
 class KVEventFeed:
     """One engine's KV-cache events from `endpoint` (e.g. ipc:///run/kv.sock, tcp://engine:5557), applied as they come:
     `stored(hashes)`, `removed(hashes)`, `cleared()`. `start()` subscribes from a daemon thread; `stop()` ends it."""
@@ -49,6 +59,10 @@ class KVEventFeed:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
         import zmq

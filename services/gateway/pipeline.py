@@ -67,8 +67,7 @@ class Gateway:
 
     async def stop(self) -> None:
         await self.lifecycle.stop()
-        for feed in self.kv_feeds:
-            feed.stop()
+        await asyncio.gather(*(asyncio.to_thread(feed.stop) for feed in self.kv_feeds))
 
     @property
     def started(self) -> bool:

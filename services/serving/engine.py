@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from services.common.kv_events import local_endpoint
 from swiftkv_core.interrupts import shield_children
 
 from .backend import BackendDown, BackendError, BadRequest, ChoiceDelta, GenerateRequest, Output, SamplingOptions, TokenLogprob
@@ -234,8 +235,8 @@ class VLLMEngine:
         return self.llm is None or self.llm.errored
 
     def kv_event_endpoints(self) -> list[str]:
-        events = self.engine_args.get("kv_events_config") or {}
-        return [events["endpoint"]] if events.get("enable_kv_cache_events") and events.get("publisher", "null") == "zmq" else []
+        endpoint = local_endpoint(self.engine_args.get("kv_events_config") or {})
+        return [] if endpoint is None else [endpoint]
 
     def prefix_cache(self) -> tuple[int, int] | None:
         if self.llm is None:
