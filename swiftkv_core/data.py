@@ -241,6 +241,49 @@ def corpus_files(cache_dir: Path) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
+# Training-only sources beyond the three above, for a more varied mix (`--extra-sources`): never man pages, which
+# stay a kind of text no training split draws from.
+SYSTEM_DOC_DIR = Path("/usr/share/doc")
+PYTHON_SOURCE_DIR = Path("/usr/lib/python3.11")
+_DOC_NAME = re.compile(r"^(readme|news|changelog|changes|history|todo|faq)|\.(txt|md|rst)$", re.I)
+EXTRA_SOURCES = {
+    "system-docs": f"{SYSTEM_DOC_DIR}: packages' READMEs, NEWS, changelogs, *.txt/*.md/*.rst (gzip read), "
+                   f"except {PYTHON_DOC_DIR.parts[4]} and {LINUX_DOC_DIR.parts[4]} (sources of their own)",
+    "python-source": f"{PYTHON_SOURCE_DIR}/**/*.py: the standard library's code, docstrings and comments (tests excluded)",
+}
+
+
+def extra_corpus_files(names: tuple[str, ...], doc_dir: Path | None = None,
+                       python_dir: Path | None = None) -> dict[str, list[tuple[str, str]]]:
+    """source -> [(file id, text)] for the training-only sources named (keys of EXTRA_SOURCES)."""
+    doc_dir, python_dir = doc_dir or SYSTEM_DOC_DIR, python_dir or PYTHON_SOURCE_DIR
+    unknown = sorted(set(names) - set(EXTRA_SOURCES))
+    if unknown:
+        raise DataError(f"unknown extra source(s) {', '.join(unknown)}: choose from {', '.join(EXTRA_SOURCES)}")
+    out: dict[str, list[tuple[str, str]]] = {}
+    if "system-docs" in names:
+        skip = {doc_dir / PYTHON_DOC_DIR.parts[4], doc_dir / LINUX_DOC_DIR.parts[4]}
+        files = []
+        for p in sorted(doc_dir.rglob("*")):
+            if not p.is_file() or p.is_symlink() or any(s in p.parents for s in skip):
+                continue
+            name = p.name.removesuffix(".gz")
+            if not _DOC_NAME.search(name):
+                continue
+            raw = p.read_bytes()
+            text = (gzip.decompress(raw) if p.name.endswith(".gz") else raw).decode("utf-8", "replace")
+            files.append((str(p.relative_to(doc_dir)), text))
+        out["system-docs"] = files
+    if "python-source" in names:
+        out["python-source"] = [(str(p.relative_to(python_dir)), p.read_text(encoding="utf-8", errors="replace"))
+                                for p in sorted(python_dir.rglob("*.py"))
+                                if not ({"test", "tests", "idlelib", "site-packages", "dist-packages"} & set(p.relative_to(python_dir).parts))]
+    for name, files in out.items():
+        if not files:
+            raise DataError(f"no files found for extra source {name} ({EXTRA_SOURCES[name]})")
+    return out
+
+
 def passages(text: str, max_chars: int = 2000) -> list[str]:
     """Split a document into passages of whole paragraphs, each at most ~max_chars."""
     paras = [p.strip("\n") for p in re.split(r"\n\s*\n", text) if p.strip()]
@@ -380,6 +423,7 @@ def prepare_corpus(
     seed: int = 0,
     cache_dir: str | Path | None = None,
     manpages: int = 300,
+    extra_sources: tuple[str, ...] = (),
 ) -> dict:
     """Write train.jsonl, heldout.jsonl, heldout_manpages.jsonl (unless `manpages` is 0) and manifest.json
     to `out_dir` and return the manifest.
@@ -387,6 +431,9 @@ def prepare_corpus(
     From each source, passages of whole files are drawn in a seeded random order until the character
     budget is met; `chat_fraction` of them become single-turn chats (first half as the user's request,
     second half as the assistant's answer). Held-out passages come only from held-out files.
+
+    `extra_sources` (keys of EXTRA_SOURCES) add training text only, drawn after the rest with a seed of their
+    own, so heldout.jsonl and heldout_manpages.jsonl are byte for byte those of the same call without them.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -423,8 +470,23 @@ def prepare_corpus(
     if manpages > 0:
         stats["manpages"] = {"heldout": prepare_manpages(out / MANPAGES_FILE, manpages)}
         files_written.append(MANPAGES_FILE.removesuffix(".jsonl"))
+    for split in splits:
+        rng.shuffle(splits[split])
+    if extra_sources:
+        extra_rng = random.Random(f"{seed}-extra")
+        for source, files in extra_corpus_files(tuple(extra_sources)).items():
+            pool = [(fid, p) for fid, text in files for p in passages(text) if len(p) > 200]
+            extra_rng.shuffle(pool)
+            used, n_text, n_files = 0, 0, set()
+            for fid, p in pool:
+                if used >= train_chars_per_source:
+                    break
+                splits["train"].append({"text": p, "source": source})
+                used, n_text = used + len(p), n_text + 1
+                n_files.add(fid)
+            stats[source] = {"train": {"chars": used, "text_records": n_text, "chat_records": 0, "files": len(n_files)}}
+        extra_rng.shuffle(splits["train"])
     for split, recs in splits.items():
-        rng.shuffle(recs)
         with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
             for rec in recs:
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -434,6 +496,7 @@ def prepare_corpus(
             "python-docs": f"Debian python3.11-doc ({PYTHON_DOC_DIR}/**/*.rst.txt)",
             "linux-docs": f"Debian linux-doc-6.1 ({LINUX_DOC_DIR}/**/*.rst.gz)",
             **({"manpages": f"man pages installed in {', '.join(map(str, MAN_DIRS))} (held out only: {MANPAGES_FILE})"} if manpages > 0 else {}),
+            **{name: f"{EXTRA_SOURCES[name]} (training only)" for name in extra_sources},
         },
         "settings": {
             "train_chars_per_source": train_chars_per_source,
@@ -442,6 +505,7 @@ def prepare_corpus(
             "heldout_every": heldout_every,
             "seed": seed,
             "manpages": manpages,
+            "extra_sources": list(extra_sources),
         },
         "stats": stats,
         "sha256": {s: hashlib.sha256((out / f"{s}.jsonl").read_bytes()).hexdigest() for s in files_written},

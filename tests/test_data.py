@@ -99,6 +99,34 @@ def test_prepare_corpus_keeps_heldout_files_out_of_training(tmp_path):
     assert len(pages) == manifest["stats"]["manpages"]["heldout"]["pages"] == 12
     assert {r["source"] for r in pages} == {"manpages"} and not {body(r) for r in train} & {r["text"] for r in pages}
     assert "heldout_manpages" in manifest["sha256"]
+    # Training-only sources leave both held-out sets as they were and add only training text.
+    more = D.prepare_corpus(tmp_path / "more", train_chars_per_source=30_000, heldout_chars_per_source=5_000, cache_dir=tmp_path / "src",
+                            manpages=12, extra_sources=("python-source",))
+    assert more["sha256"]["heldout"] == manifest["sha256"]["heldout"]
+    assert more["sha256"]["heldout_manpages"] == manifest["sha256"]["heldout_manpages"]
+    more_train = D.load_records(tmp_path / "more" / "train.jsonl")
+    assert sorted(map(body, more_train)) == sorted([body(r) for r in train] + [r["text"] for r in more_train if r["source"] == "python-source"])
+    assert more["stats"]["python-source"]["train"]["chars"] >= 30_000 and "python-source" in more["sources"]
+
+
+def test_extra_sources_read_package_docs_and_library_code_but_not_the_corpora_or_tests(tmp_path):
+    import gzip as gz
+
+    docs, lib = tmp_path / "doc", tmp_path / "lib"
+    files = {docs / "frob" / "README": b"Frob turns widgets into gadgets.", docs / "frob" / "changelog.Debian.gz": gz.compress(b"frob (1.0) stable"),
+             docs / "frob" / "copyright": b"not documentation", docs / "python3.11" / "notes.txt": b"a corpus of its own",
+             docs / "linux-doc-6.1" / "README": b"a corpus of its own", lib / "json" / "__init__.py": b'"""JSON encoder."""',
+             lib / "test" / "test_json.py": b"tests stay out", lib / "site-packages" / "x.py": b"not the library"}
+    for path, raw in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(raw)
+    got = D.extra_corpus_files(("system-docs", "python-source"), doc_dir=docs, python_dir=lib)
+    assert got["system-docs"] == [("frob/README", "Frob turns widgets into gadgets."), ("frob/changelog.Debian.gz", "frob (1.0) stable")]
+    assert got["python-source"] == [("json/__init__.py", '"""JSON encoder."""')]
+    with pytest.raises(D.DataError, match="unknown extra source.*manpages.*choose from system-docs, python-source"):
+        D.extra_corpus_files(("manpages",))
+    with pytest.raises(D.DataError, match="no files found for extra source python-source"):
+        D.extra_corpus_files(("python-source",), python_dir=tmp_path / "empty")
 
 
 PAGE = r""".\" A hand-written page in man(7) source.
