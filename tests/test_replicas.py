@@ -172,3 +172,65 @@ def test_the_ray_serve_router_reads_the_prefix_as_the_platforms_routing_config_s
     engine_128 = PoolConfig(model="m", engine_args={"block_size": 128})
     assert router_kwargs(engine_128, RoutingConfig(prefix_min_distinct_tokens=512)) == {"block_size": 128, "min_distinct_tokens": 512}
     assert router_kwargs(engine_128, RoutingConfig(prefix_block_size=32)) == {"block_size": 32, "min_distinct_tokens": 256}
+
+
+@pytest.mark.engine
+def test_two_real_engines_keep_a_conversation_on_the_one_holding_its_history_and_spread_a_shared_system_prompt(
+        tiny_base, tmp_path, vllm_server, platform):
+    """A pool of two real vLLM engines on the tiny base model, through the whole gateway (the app served over HTTP, the
+    official client, the pool built from config as `swiftkv serve` builds it): vLLM's own OpenAI server and the shared
+    platform's base pool (its engine behind its gateway). A conversation's three turns all reach one engine, whose
+    prefix-cache hit counter rises by its history's blocks at each later turn while the other engine serves nothing;
+    sixteen users behind one shared system prompt (shorter than the distinctive minimum) are served by both."""
+    from harness import metric, scrape
+    from harness.engines import KEY
+    from harness.engines import PUBLIC as PLATFORM_PUBLIC
+    from harness.gateway import InProcessGateway, ThreadedServer
+    from harness.gateway import platform_config as gateway_config
+
+    from services.serving.pools import build_backends
+
+    served = f"{PLATFORM_PUBLIC}-base"  # the platform's base pool by name; vLLM's server answers to it too
+    engines = {"vllm": (vllm_server, "upstream"), "platform": (platform.base, served)}
+    cfg = gateway_config(tiny_base, {"base": {"backend": "remote", "url": [f"{vllm_server}/v1", f"{platform.base}/v1"],
+                                              "served_model_name": served, "api_key": KEY}},
+                         routing={"prefix_block_size": 128, "prefix_min_distinct_tokens": 128}, data_dir=str(tmp_path))
+
+    def counts() -> dict[str, tuple[float, float]]:
+        """engine -> (requests finished, prompt tokens found in its prefix cache), from its own vLLM metrics"""
+        out = {}
+        for name, (base, model) in engines.items():
+            m = scrape(base)
+            out[name] = (metric(m, "vllm:request_success_total", model_name=model), metric(m, "vllm:prefix_cache_hits_total", model_name=model))
+        return out
+
+    def delta(before, after, i: int) -> dict[str, float]:
+        return {name: after[name][i] - before[name][i] for name in after}
+
+    rng = random.Random(3)
+    words = ["river", "town", "ledger", "harbor", "quarry", "lantern", "meadow", "copper", "signal", "orchard"]
+    with ThreadedServer(InProcessGateway(cfg, build_backends(cfg, "inprocess"), batch=False)) as gw:
+        client = gw.client()
+        messages = [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(60)) + ". What is this about?"}]
+        before = counts()
+        hits = []
+        for _ in range(3):
+            mark = counts()
+            answer = client.chat.completions.create(model="m", messages=messages, max_tokens=4, extra_body={"ignore_eos": True})
+            hits.append(delta(mark, counts(), 1))
+            messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                         {"role": "user", "content": f"And then, in {rng.choice(words)}?"}]
+        served_by = delta(before, counts(), 0)
+        home = max(served_by, key=served_by.get)
+        other = next(name for name in engines if name != home)
+        assert served_by == {home: 3, other: 0}, served_by
+        assert all(h[home] >= 2 * 128 and h[other] == 0 for h in hits[1:]), hits  # the history's two full blocks at least
+
+        system = {"role": "system", "content": "You answer questions about towns, briefly."}  # ~12 tokens: shared by all
+        before = counts()
+        for user in range(16):
+            question = " ".join(rng.choice(words) for _ in range(60))
+            client.chat.completions.create(model="m", messages=[system, {"role": "user", "content": f"User {user}: {question}?"}], max_tokens=2)
+        spread = delta(before, counts(), 0)
+        assert sum(spread.values()) == 16 and min(spread.values()) >= 1, spread
+        print(f"conversation: 3 turns on {home}, cache hits {[h[home] for h in hits]}; 16 users spread {spread}")
