@@ -418,6 +418,47 @@ def test_the_engines_kv_cache_events_correct_the_index(tmp_path):
         pub.pub.shutdown()
 
 
+def test_a_pool_of_several_engines_keeps_a_block_while_any_of_them_holds_it(tmp_path):
+    """routing.kv_events over a pool of two servers (a remote pool of several URLs): one server's eviction, or its
+    cleared cache, takes a block out of the pool's index only once the other does not hold it either (a pool of one
+    engine that clears its cache forgets everything: above)."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_events import AllBlocksCleared
+
+    from services.config import RoutingConfig
+    from services.gateway.routing import RoutePolicy
+
+    policy = RoutePolicy(RoutingConfig(cache_aware=True, kv_events=True, prefix_block_size=BS))
+    index = policy.index
+    shared, only_a = index.hashes(tokens(2 * BS, 3)), index.hashes(tokens(2 * BS, 4))
+    a, b = Publisher(f"ipc://{tmp_path}/a"), Publisher(f"ipc://{tmp_path}/b")
+    feed_a, feed_b = (policy.follow_kv_events("base", p.pub.get_publisher_config().endpoint) for p in (a, b))
+
+    def held(hashes) -> int:
+        return index.cached_tokens("base", hashes)
+
+    def sent(pub, feed, *events) -> None:
+        n = feed.batches
+        pub.send(*events)
+        pub.until(lambda: feed.batches > n)
+
+    try:
+        a.until(lambda: held(shared) == held(only_a) == 2 * BS, stored(shared), stored(only_a))
+        b.until(lambda: feed_b.batches > 0, stored(shared))
+        sent(a, feed_a, removed(shared))
+        assert held(shared) == 2 * BS  # b still holds it
+        sent(b, feed_b, removed(shared))
+        assert held(shared) == 0  # neither does
+        b.until(lambda: held(shared) == 2 * BS, stored(shared))
+        sent(a, feed_a, AllBlocksCleared())
+        assert held(only_a) == 0 and held(shared) == 2 * BS  # a's own blocks went with its cache; b's stay
+    finally:
+        for feed in (feed_a, feed_b):
+            feed.stop()
+        a.pub.shutdown()
+        b.pub.shutdown()
+
+
 def test_the_gateway_follows_each_pools_kv_cache_events(tiny_base, tmp_path):
     """routing.kv_events through the app: the gateway subscribes to each pool's engines' events when it starts. The
     SwiftKV engine evicts the history turn 1 left there: turn 2 goes where the ratio says, not to the evicted cache;

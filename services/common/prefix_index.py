@@ -8,7 +8,8 @@ bounded by the target's KV-cache capacity in blocks (vLLM's num_gpu_blocks). `ca
 prefix of a prompt that target should still hold. It is a prediction: the engine also caches output blocks, running
 requests pin blocks the index counts as evictable, and a restarted engine starts empty (`forget`). Where the engine
 publishes its KV-cache events (services/common/kv_events.py), they correct it: blocks it stored (`stored`), evicted
-(`removed`) or dropped all at once (`forget`).
+(`removed`) or dropped all at once (`forget`); in a pool of several servers, `ServerBlocks` keeps a block in the pool's
+index while any of them still holds it.
 
 Blocks are keyed as vLLM's events name them (`block_key`: the hash's last 8 bytes as an integer, vLLM's default
 VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), so an event's hashes and the gateway's own meet.
@@ -134,3 +135,46 @@ class PrefixIndex:
     def blocks(self, target: str) -> int:
         with self._lock:
             return len(self._targets.get(target, ()))
+
+
+class ServerBlocks:
+    """Which of a pool's servers hold each block, from their KV-cache events: in a pool of several servers one server's
+    eviction (or cleared cache) takes a block out of the pool's index only when no other server of the pool still
+    holds it. Thread-safe: each server's events arrive on a feed thread of their own."""
+
+    def __init__(self):
+        self._held: dict[str, set[int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, server: str) -> None:
+        with self._lock:
+            self._held.setdefault(server, set())
+
+    @property
+    def servers(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def stored(self, server: str, hashes: Sequence[bytes | int]) -> None:
+        with self._lock:
+            self._held.setdefault(server, set()).update(block_key(h) for h in hashes)
+
+    def removed(self, server: str, hashes: Sequence[bytes | int]) -> list[int]:
+        """`server` evicted these blocks: those no server of the pool holds any more."""
+        with self._lock:
+            mine = self._held.setdefault(server, set())
+            keys = [block_key(h) for h in hashes]
+            mine.difference_update(keys)
+            return [k for k in keys if not any(k in held for held in self._held.values())]
+
+    def cleared(self, server: str) -> list[int]:
+        """`server` dropped its whole cache: the blocks it held that no other server of the pool holds."""
+        with self._lock:
+            mine, self._held[server] = self._held.get(server, set()), set()
+            return [k for k in mine if not any(k in held for held in self._held.values())]
+
+    def forget(self) -> None:
+        """The pool went down: no server holds anything."""
+        with self._lock:
+            for held in self._held.values():
+                held.clear()

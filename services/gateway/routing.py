@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from services.common.kv_events import KVEventFeed
-from services.common.prefix_index import PrefixIndex
+from services.common.prefix_index import PrefixIndex, ServerBlocks
 from services.config import DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_TOKENS, POOL_NAMES, RoutingConfig
 from services.serving.backend import Backend
 
@@ -144,6 +144,7 @@ class RoutePolicy:
             index = PrefixIndex((cfg.prefix_cache_tokens or DEFAULT_PREFIX_CACHE_TOKENS) // block_size, block_size)
         self.index = index
         self._capacities: dict[str, int] = {}  # tokens, as the pools' engines reported them
+        self._servers: dict[str, ServerBlocks] = {}  # per pool, which of its engines hold each block (KV-cache events)
 
     def adopt_engine_cache(self, pool: str, block_size: int, capacity_tokens: int) -> None:
         """A pool's engine reported its prefix cache's block size and capacity: the index follows them unless the
@@ -165,24 +166,35 @@ class RoutePolicy:
         """The pool went down: whatever it held in its prefix cache is gone."""
         if self.index is not None:
             self.index.forget(pool)
+        if pool in self._servers:
+            self._servers[pool].forget()
 
     def follow_kv_events(self, pool: str, endpoint: str) -> KVEventFeed:
         """A feed of one of `pool`'s engines' KV-cache events (routing.kv_events) that corrects the index: blocks the
-        engine stored or evicted, its cache cleared. Started; the caller stops it. The index is looked up at each event
+        engine stored or evicted, its cache cleared; where the pool has several engines, a block leaves the pool's index
+        only once none of them holds it. Started; the caller stops it. The index is looked up at each event
         (adopt_engine_cache may replace it)."""
+        servers = self._servers.setdefault(pool, ServerBlocks())
+        servers.add(endpoint)
+
         def stored(hashes) -> None:
             metrics.kv_cache_events.labels(pool, "stored").inc(len(hashes))
+            servers.stored(endpoint, hashes)
             if self.index is not None:
                 self.index.record(pool, hashes)
 
         def removed(hashes) -> None:
             metrics.kv_cache_events.labels(pool, "removed").inc(len(hashes))
+            gone = servers.removed(endpoint, hashes)
             if self.index is not None:
-                self.index.removed(pool, hashes)
+                self.index.removed(pool, gone)
 
         def cleared() -> None:
             metrics.kv_cache_events.labels(pool, "cleared").inc()
-            self.forget(pool)
+            if servers.servers == 1:  # the pool's only engine: everything it held is gone, predictions included
+                self.forget(pool)
+            elif self.index is not None:
+                self.index.removed(pool, servers.cleared(endpoint))
 
         feed = KVEventFeed(endpoint, stored, removed, cleared)
         feed.start()
