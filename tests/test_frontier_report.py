@@ -78,3 +78,34 @@ def test_rows_trained_on_a_gpu_machine_unpack_into_run_folders_the_report_reads(
     (row,) = frontier_report.rows(tmp_path / "runs")
     assert (row["name"], row["l"], row["temperature"], row["tokens"]) == ("l4-t1-tiny", 4, 1.0, summary["tokens"])
     assert row["machine"].startswith("NVIDIA H100") and len(row["curve"]) == len(curve)
+
+
+def test_a_bundles_parts_unpack_into_the_gguf_checked_by_its_hash(tmp_path):
+    """scripts/frontier_bundle.sh unpack, part by part as they arrive: the text unpacked with the first, the GGUF joined
+    and checked with the last; a piece changed on the way is refused."""
+    import hashlib
+    import subprocess
+    import tarfile
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "frontier_bundle.sh"
+    gguf = bytes(range(256)) * 300
+    for corrupt in (False, True):
+        bundle, stash = tmp_path / f"bundle-{corrupt}", tmp_path / f"stash-{corrupt}"
+        (bundle / "part-1").mkdir(parents=True)
+        (bundle / "part-2").mkdir()
+        (tmp_path / "train-large.jsonl").write_text('{"text": "a line"}\n')
+        with tarfile.open(bundle / "part-1" / "data.tar.xz", "w:xz") as tar:
+            tar.add(tmp_path / "train-large.jsonl", arcname="train-large.jsonl")
+        (bundle / "part-1" / "gguf.part-0").write_bytes(gguf[:40_000])
+        (bundle / "part-2" / "gguf.part-1").write_bytes(gguf[40_000:] + (b"x" if corrupt else b""))
+        (bundle / "part-2" / "manifest").write_text(f"{hashlib.sha256(gguf).hexdigest()}\ngguf.part-0 gguf.part-1 \n")
+        first = subprocess.run(["bash", str(script), "unpack", str(stash), str(bundle / "part-1")], capture_output=True, text=True)
+        assert first.returncode == 0, first.stderr
+        assert (stash / "train-large.jsonl").read_text() == '{"text": "a line"}\n' and not (stash / "data.tar.xz").exists()
+        last = subprocess.run(["bash", str(script), "unpack", str(stash), str(bundle / "part-2")], capture_output=True, text=True)
+        joined = stash / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if corrupt:
+            assert last.returncode != 0 and "FAILED" in last.stdout + last.stderr
+        else:
+            assert last.returncode == 0, last.stderr
+            assert joined.read_bytes() == gguf and not (stash / "gguf.part-0").exists()
