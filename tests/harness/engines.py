@@ -97,7 +97,7 @@ def launch_vllm_server(tiny_base: Path, work: Path) -> Server:
     """vLLM's OpenAI server on the base checkpoint, started (not yet ready: wait()), with the platform's base pool's
     engine arguments (sampling matches it token for token), its hermes tool parser and priority scheduling; plus a key,
     one logprob at most and three tokens per streamed chunk, which the remote backend's tests read. It also answers to
-the platform's base pool's name and key: the two serve as a pool of two replicas (tests/test_replicas.py)."""
+    the platform's base pool's name and key: the two serve as a pool of two replicas (tests/test_replicas.py)."""
     a = engine_args()
     return vllm_openai_server(work, tiny_base, "--served-model-name", UPSTREAM, f"{PUBLIC}-base", "--api-key", UPSTREAM_KEY, KEY,
                               "--max-model-len", a["max_model_len"], "--enforce-eager", "--dtype", a["dtype"],
