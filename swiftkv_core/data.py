@@ -246,9 +246,10 @@ def corpus_files(cache_dir: Path) -> dict[str, list[tuple[str, str]]]:
 SYSTEM_DOC_DIR = Path("/usr/share/doc")
 PYTHON_SOURCE_DIR = Path("/usr/lib/python3.11")
 _DOC_NAME = re.compile(r"^(readme|news|changelog|changes|history|todo|faq)|\.(txt|md|rst)$", re.I)
+_OWN_CORPORA = tuple(d.relative_to(SYSTEM_DOC_DIR).parts[0] for d in (PYTHON_DOC_DIR, LINUX_DOC_DIR))  # sources of their own
 EXTRA_SOURCES = {
     "system-docs": f"{SYSTEM_DOC_DIR}: packages' READMEs, NEWS, changelogs, *.txt/*.md/*.rst (gzip read), "
-                   f"except {PYTHON_DOC_DIR.parts[4]} and {LINUX_DOC_DIR.parts[4]} (sources of their own)",
+                   f"except {' and '.join(_OWN_CORPORA)} (sources of their own)",
     "python-source": f"{PYTHON_SOURCE_DIR}/**/*.py: the standard library's code, docstrings and comments (tests excluded)",
 }
 
@@ -262,7 +263,7 @@ def extra_corpus_files(names: tuple[str, ...], doc_dir: Path | None = None,
         raise DataError(f"unknown extra source(s) {', '.join(unknown)}: choose from {', '.join(EXTRA_SOURCES)}")
     out: dict[str, list[tuple[str, str]]] = {}
     if "system-docs" in names:
-        skip = {doc_dir / PYTHON_DOC_DIR.parts[4], doc_dir / LINUX_DOC_DIR.parts[4]}
+        skip = {doc_dir / name for name in _OWN_CORPORA}
         files = []
         for p in sorted(doc_dir.rglob("*")):
             if not p.is_file() or p.is_symlink() or any(s in p.parents for s in skip):
