@@ -230,6 +230,36 @@ def test_parse_input_takes_any_unparseable_line_as_the_lines_error(tmp_path):
     assert [(l.number, l.custom_id) for l in parse_input(p, "/v1/chat/completions", 10, 4096)[0]] == [(1, "a"), (2, "b")]
 
 
+def test_a_line_nesting_past_the_bound_is_its_error_whatever_the_recursion_limit(tmp_path):
+    """The bound is the gateway's (a body may nest MAX_JSON_DEPTH levels, its line one more), not json's RecursionError:
+    a line 150 levels deep parses under any recursion limit, and libraries in the same process raise the limit (torch,
+    hypothesis), under which 1,500 levels parse too. Brackets inside strings do not count."""
+    import sys
+
+    from services.common.validation import MAX_JSON_DEPTH, too_deep
+
+    def line(custom_id: str, depth: int) -> bytes:
+        return (b'{"custom_id": "%s", "method": "POST", "url": "/v1/chat/completions", "body": {"x": ' % custom_id.encode()
+                + b"[" * depth + b"]" * depth + b"}}")
+
+    ok = req("brackets") | {"body": {"messages": [{"role": "user", "content": "[" * 500}]}}
+    p = tmp_path / "in.jsonl"
+    p.write_bytes(jsonl(line("fits", MAX_JSON_DEPTH - 2), ok))
+    assert [(l.number, l.custom_id) for l in parse_input(p, "/v1/chat/completions", 10, 1 << 20)[0]] == [(1, "fits"), (2, "brackets")]
+    p.write_bytes(jsonl(ok, line("deep", 150)))
+    errors = parse_input(p, "/v1/chat/completions", 10, 1 << 20)[1]
+    assert [(e["line"], e["code"]) for e in errors] == [(2, "invalid_json_line")]
+    assert f"more than {MAX_JSON_DEPTH + 1} levels deep" in errors[0]["message"]
+    p.write_bytes(jsonl(line("deeper", 1500)))
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(5000)
+    try:
+        assert [(e["line"], e["code"]) for e in parse_input(p, "/v1/chat/completions", 10, 1 << 20)[1]] == [(1, "invalid_json_line")]
+    finally:
+        sys.setrecursionlimit(limit)
+    assert not too_deep({"a": "[" * 500}, '{"a": "' + "[" * 500 + '"}') and too_deep([[[]]], "[[[]]]", 2)
+
+
 def test_validation_holds_no_request_bodies(tmp_path):
     """Checking a file keeps where each line is, not its body: bodies of many small objects take ~25 times their
     bytes as Python objects (a 200 MB file would need ~5 GB). The peak while checking 100 lines of 4,000 empty

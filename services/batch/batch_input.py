@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.validation import MAX_JSON_DEPTH, too_deep
+
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 MAX_REPORTED_ERRORS = 100  # a file with thousands of bad lines fails with the first ones named
 
@@ -87,6 +89,8 @@ def _check(raw: bytes, number: int, offset: int, endpoint: str, seen: dict[str, 
         item = json.loads(raw)
     except Exception as e:  # any failure to parse (bad UTF-8, bad JSON, RecursionError from deep nesting) is the line's
         return error("invalid_json_line", f"line {number} is not valid JSON: {e}", number)
+    if too_deep(item, raw, MAX_JSON_DEPTH + 1):  # the line's object holds the body, which may nest MAX_JSON_DEPTH
+        return error("invalid_json_line", f"line {number} nests objects and arrays more than {MAX_JSON_DEPTH + 1} levels deep", number)
     if not isinstance(item, dict):
         return error("invalid_json_line", f"line {number} is not a JSON object", number)
     custom_id = item.get("custom_id")

@@ -4,6 +4,25 @@ from __future__ import annotations
 
 from .errors import bad_request
 
+MAX_JSON_DEPTH = 100  # objects and arrays nested in a body (vLLM's own bound on a schema is 64 levels)
+
+
+def too_deep(value: object, text: str | bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether decoded JSON nests objects and arrays more than `limit` levels. Decided here, not by json's
+    RecursionError, whose depth is the process's recursion limit (which libraries raise: torch, hypothesis);
+    `text`, the JSON itself, skips the walk when it holds too few brackets to nest that deep."""
+    opening = ("{", "[") if isinstance(text, str) else (b"{", b"[")
+    if text.count(opening[0]) + text.count(opening[1]) <= limit:
+        return False
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((item, depth + 1) for item in (node.values() if isinstance(node, dict) else node))
+    return False
+
 
 def describe(value: object) -> str:
     """What a client sent, for messages: the JSON type, or a short string."""

@@ -12,11 +12,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.common.errors import bad_request
+from services.common.validation import MAX_JSON_DEPTH
 from services.serving.backend import SamplingOptions
 
 MAX_INT32 = 2**31 - 1  # token counts: far above any context, small enough for every engine
 MAX_SCHEMA_CHARS = 100_000  # a JSON schema, grammar or regex for structured output, serialized
-MAX_JSON_DEPTH = 100  # objects and arrays nested in a body (vLLM's own bound on a schema is 64 levels)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into JSON text
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
