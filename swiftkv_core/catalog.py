@@ -152,17 +152,23 @@ def prepare(name: str, models_dir: str | Path = DEFAULT_MODELS_DIR) -> Path:
     out_dir = models_dir / name
     if _is_complete(out_dir):
         return out_dir
-    # Build into a temporary sibling and rename, so an interrupted build never looks complete.
-    tmp_dir = models_dir / f".{name}.partial"
-    if tmp_dir.exists():
-        import shutil
+    import fcntl
+    import shutil
 
-        shutil.rmtree(tmp_dir)
-    tmp_dir.mkdir(parents=True)
-    REGISTRY[name].build(tmp_dir, models_dir)
-    if out_dir.exists():
-        import shutil
-
-        shutil.rmtree(out_dir)
-    tmp_dir.rename(out_dir)
+    models_dir.mkdir(parents=True, exist_ok=True)
+    # One builder at a time (two commands or test processes preparing the same model): the next one waits, then
+    # finds it complete.
+    with open(models_dir / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_complete(out_dir):
+            return out_dir
+        # Build into a temporary sibling and rename, so an interrupted build never looks complete.
+        tmp_dir = models_dir / f".{name}.partial"
+        if tmp_dir.exists():
+            shutil.rmtree(tmp_dir)
+        tmp_dir.mkdir(parents=True)
+        REGISTRY[name].build(tmp_dir, models_dir)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp_dir.rename(out_dir)
     return out_dir

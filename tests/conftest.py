@@ -3,7 +3,13 @@ engines the `engine` tests share are started once per run: `platform` (one `swif
 pools) and `vllm_server` (vLLM's own OpenAI server) when the run starts, where some collected test uses them, so their
 start-up (half a minute each on two cores) overlaps the modules that need neither, which run first;
 `offline_engines` (vLLM's offline LLM, one at a time) on first use. Tests marked `last` run after every other test,
-in the order their marker gives: they kill an engine of the shared platform, then stop it."""
+in the order their marker gives: they kill an engine of the shared platform, then stop it.
+
+Under pytest-xdist (`make test` runs two workers: the suite leaves about half of two cores idle, waiting on engine
+start-ups, processes and sockets) a module is one unit of work, as with `--dist loadfile`, except that the modules
+using the shared servers, and those marked `shares("redis")` (the Redis every machine runs, db 0), form one unit
+"shared", handed out first and run in order by one worker, which starts the shared servers at its first test; the
+modules marked `shares("ray")` form another (one Ray cluster at a time on two cores)."""
 
 from __future__ import annotations
 
@@ -97,21 +103,45 @@ def train_text(tmp_path_factory) -> Path:
 SHARED_SERVERS = ("platform", "vllm_server")
 
 
+def xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+class SharedServers:
+    """The shared servers some collected test uses, launched together (`launch`), stopped at the end."""
+
+    def __init__(self, request, tmp_path_factory):
+        self.request, self.tmp = request, tmp_path_factory
+        self.used = {name for item in request.session.items for name in SHARED_SERVERS if name in item.fixturenames}
+        self.servers: dict = {}
+
+    def launch(self) -> None:
+        tiny_base = self.request.getfixturevalue("tiny_base")
+        if "platform" in self.used and "platform" not in self.servers:
+            self.servers["platform"] = launch_platform(tiny_base, self.request.getfixturevalue("tiny_swiftkv"), self.tmp.mktemp("platform"))
+        if "vllm_server" in self.used and "vllm_server" not in self.servers:
+            self.servers["vllm_server"] = launch_vllm_server(tiny_base, self.tmp.mktemp("vllm-server"))
+
+    def __getitem__(self, name: str):
+        self.launch()
+        return self.servers[name]
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shared_servers(request, tmp_path_factory):
-    """The shared servers some collected test uses, launched before the first test runs; stopped at the end."""
-    used = {name for item in request.session.items for name in SHARED_SERVERS if name in item.fixturenames}
-    servers = {}
+    """Launched before the first test runs, so their start-up overlaps the modules that need neither; under xdist,
+    by the worker that runs the shared unit, at its first test (every worker collects every test)."""
+    servers = SharedServers(request, tmp_path_factory)
     try:
-        if "platform" in used:
-            servers["platform"] = launch_platform(request.getfixturevalue("tiny_base"), request.getfixturevalue("tiny_swiftkv"),
-                                                  tmp_path_factory.mktemp("platform"))
-        if "vllm_server" in used:
-            servers["vllm_server"] = launch_vllm_server(request.getfixturevalue("tiny_base"), tmp_path_factory.mktemp("vllm-server"))
+        if not xdist_worker(request.config):
+            servers.launch()
         yield servers
     finally:
-        for server in servers.values():
-            server.stop()
+        servers.stop()
 
 
 @pytest.fixture(scope="session")
@@ -137,18 +167,26 @@ def offline_engines():
         engines.close()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Modules that use no shared server first (the shared servers start meanwhile), then the others, each module's
     tests in their order; tests marked `last(n)` after all others, by n: the shared platform serves every engine test
-    before them."""
-    uses_shared = defaultdict(bool)  # by module file
+    before them. Under xdist the shared unit comes first instead (the other worker takes the rest meanwhile)."""
+    shared = defaultdict(bool)  # by module file
     for item in items:
-        uses_shared[item.path] |= any(name in item.fixturenames for name in SHARED_SERVERS)
+        shares = {m.args[0] for m in item.iter_markers("shares")}
+        shared[item.path] |= "redis" in shares or any(name in item.fixturenames for name in SHARED_SERVERS)
+    parallel = xdist_worker(config)
 
     def order(item):
         mark = item.get_closest_marker("last")
         if mark is None:
-            return (0, uses_shared[item.path], 0)
+            return (0, shared[item.path] != parallel, 0)
         return (1, True, mark.args[0] if mark.args else 0)
 
     items.sort(key=order)  # stable: the order within each group stays
+    if parallel:
+        for item in items:
+            shares = {m.args[0] for m in item.iter_markers("shares")}
+            group = "shared" if shared[item.path] else "ray" if "ray" in shares else item.path.name
+            item.add_marker(pytest.mark.xdist_group(group))

@@ -40,6 +40,8 @@ from services.batch.runner import PoolSlots
 from services.config import BatchConfig, RoutingConfig
 from services.gateway.routing import PoolState, RoutePolicy
 
+pytestmark = pytest.mark.shares("redis")
+
 KEY_A, KEY_B = "sk-batch-a", "sk-batch-b"
 PUBLIC = "tiny"
 MAX_MODEL_LEN = 512

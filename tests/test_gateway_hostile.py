@@ -25,6 +25,8 @@ from services.gateway.rate_limits import RedisRateLimiter
 from services.serving.backend import BackendError, GenerateRequest, SamplingOptions
 from services.serving.engine import VLLMEngine, _logprobs
 
+pytestmark = pytest.mark.shares("redis")
+
 REDIS = "redis://127.0.0.1:6379/0"
 HI = [{"role": "user", "content": "hi"}]
 

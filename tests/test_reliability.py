@@ -17,6 +17,8 @@ import pytest
 from harness import free_port, metric, scrape, swiftkv_serve
 from harness.engines import KEY, PUBLIC, engine_cores, every_pool_ready
 
+pytestmark = pytest.mark.shares("redis")
+
 # ~410 prompt tokens for 60 output tokens: a prompt/output ratio that routes to the swiftkv pool
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 25)
 OUT = 60

@@ -17,6 +17,8 @@ from harness import free_port, swiftkv_serve
 from harness.engines import chat_and_stream, every_pool_ready
 from prometheus_client.parser import text_string_to_metric_families
 
+pytestmark = pytest.mark.shares("ray")
+
 ENGINE = {"max_model_len": 256, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 16 << 20}
 
 

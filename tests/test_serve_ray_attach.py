@@ -24,6 +24,8 @@ from harness import free_port
 from harness.deploy import ROOT, find, render, tool
 from harness.engines import chat_and_stream
 
+pytestmark = pytest.mark.shares("ray")
+
 BIN = Path(sys.executable).parent
 ENGINE_ARGS = {"max_model_len": 256, "enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 16 << 20}
 

@@ -19,7 +19,7 @@ import pytest
 from harness import free_port, metric, scrape, swiftkv_serve, wait_until
 from harness.engines import MAX_MODEL_LEN, UPSTREAM, UPSTREAM_KEY
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine]
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.shares("redis")]
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
