@@ -58,19 +58,22 @@ $(GUIDELLM_STAMP):
 	touch $@
 
 # Two pytest-xdist workers: one runs the modules on the shared engines (tests/conftest.py), the other the rest; one
-# worker alone leaves about half of two cores idle. TEST_WORKERS=0 runs the suite in one process.
+# worker alone leaves about half of two cores idle. Engines of both workers then share the cores: their OpenMP
+# threads wait passively at barriers (libgomp's default spins, and a thread spinning for one engine holds a core
+# another engine's barrier waits on). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
+TEST_ENV = $(if $(filter 0,$(TEST_WORKERS)),,OMP_WAIT_POLICY=PASSIVE)
 
 test: setup
-	$(VENV)/bin/pytest -x -q --timeout=1200 --durations=25 $(XDIST) tests
+	$(TEST_ENV) $(VENV)/bin/pytest -x -q --timeout=1200 --durations=25 $(XDIST) tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # Everything above the engines (in-process, against the fake backend): no vLLM engine, Ray or model download.
 test-fast: setup
-	$(VENV)/bin/pytest -x -q -m "not engine and not slow and not smollm2" $(XDIST) tests
+	$(TEST_ENV) $(VENV)/bin/pytest -x -q -m "not engine and not slow and not smollm2" $(XDIST) tests
 
 demo: setup
 	$(VENV)/bin/swiftkv demo

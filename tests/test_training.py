@@ -53,7 +53,7 @@ def events(client, job_id: str) -> list:
 
 def scrape(client) -> dict[str, float]:
     """The trainer's /metrics as {series: value}."""
-    text = httpx.get(f"{client.base_url}".replace("/v1/", "/metrics")).text
+    text = httpx.get(f"{client.base_url}".replace("/v1/", "/metrics"), timeout=60).text
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 

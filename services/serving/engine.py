@@ -256,7 +256,13 @@ class VLLMEngine:
     async def stop(self) -> None:
         with self._swap:
             llm, self.llm, self.ready, self.stopped = self.llm, None, False, True
-        if llm is not None:  # off the event loop: the shutdown waits on the engine's processes (vLLM allows other threads)
+        if llm is not None:
+            # vLLM cancels its output handler only after the engine core has stopped; until then the handler can read
+            # the dead engine and log an EngineDeadError traceback at every clean stop. Cancelled first, on its loop.
+            from vllm.utils.async_utils import cancel_task_threadsafe
+
+            cancel_task_threadsafe(getattr(llm, "output_handler", None))
+            # off the event loop: the shutdown waits on the engine's processes (vLLM allows other threads)
             await asyncio.to_thread(llm.shutdown, timeout=SHUTDOWN_SECONDS)
 
 
