@@ -415,6 +415,26 @@ def prepare_manpages(out_path: Path, pages: int = 300, max_chars: int = 1_200_00
     return {"chars": used, "pages": len(records), "renderer": "groff" if shutil.which("groff") else "builtin roff stripper"}
 
 
+def _draw(pool: list[tuple[str, str]], budget: int, source: str, rng: random.Random,
+          chat_fraction: float | None) -> tuple[list[dict], dict]:
+    """Records of (file, passage) pairs from `pool`, shuffled by `rng`, until `budget` characters: each a chat with
+    probability `chat_fraction` (None: text only, and no draw from `rng` per passage), with what was drawn."""
+    rng.shuffle(pool)
+    records, used, n_chat, drawn_from = [], 0, 0, set()
+    for fid, p in pool:
+        if used >= budget:
+            break
+        rec = _chat_record(source, p, rng) if chat_fraction is not None and rng.random() < chat_fraction else None
+        if rec is None:
+            rec = {"text": p, "source": source}
+        else:
+            n_chat += 1
+        records.append(rec)
+        used += len(p)
+        drawn_from.add(fid)
+    return records, {"chars": used, "text_records": len(records) - n_chat, "chat_records": n_chat, "files": len(drawn_from)}
+
+
 def prepare_corpus(
     out_dir: str | Path,
     train_chars_per_source: int = 1_500_000,
@@ -451,22 +471,8 @@ def prepare_corpus(
             pools[split].extend((fid, p) for p in passages(text) if len(p) > 200)
         stats[source] = {}
         for split, budget in (("train", train_chars_per_source), ("heldout", heldout_chars_per_source)):
-            pool = pools[split]
-            rng.shuffle(pool)
-            used, n_chat, n_text, n_files = 0, 0, 0, set()
-            for fid, p in pool:
-                if used >= budget:
-                    break
-                rec = _chat_record(source, p, rng) if rng.random() < chat_fraction else None
-                if rec is None:
-                    rec = {"text": p, "source": source}
-                    n_text += 1
-                else:
-                    n_chat += 1
-                splits[split].append(rec)
-                used += len(p)
-                n_files.add(fid)
-            stats[source][split] = {"chars": used, "text_records": n_text, "chat_records": n_chat, "files": len(n_files)}
+            records, stats[source][split] = _draw(pools[split], budget, source, rng, chat_fraction)
+            splits[split].extend(records)
     files_written = list(splits)
     if manpages > 0:
         stats["manpages"] = {"heldout": prepare_manpages(out / MANPAGES_FILE, manpages)}
@@ -477,15 +483,9 @@ def prepare_corpus(
         extra_rng = random.Random(f"{seed}-extra")
         for source, files in extra_corpus_files(tuple(extra_sources)).items():
             pool = [(fid, p) for fid, text in files for p in passages(text) if len(p) > 200]
-            extra_rng.shuffle(pool)
-            used, n_text, n_files = 0, 0, set()
-            for fid, p in pool:
-                if used >= train_chars_per_source:
-                    break
-                splits["train"].append({"text": p, "source": source})
-                used, n_text = used + len(p), n_text + 1
-                n_files.add(fid)
-            stats[source] = {"train": {"chars": used, "text_records": n_text, "chat_records": 0, "files": len(n_files)}}
+            records, drawn = _draw(pool, train_chars_per_source, source, extra_rng, None)
+            splits["train"].extend(records)
+            stats[source] = {"train": drawn}
         extra_rng.shuffle(splits["train"])
     for split, recs in splits.items():
         with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
