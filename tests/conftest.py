@@ -172,10 +172,12 @@ def pytest_collection_modifyitems(config, items):
     """Modules that use no shared server first (the shared servers start meanwhile), then the others, each module's
     tests in their order; tests marked `last(n)` after all others, by n: the shared platform serves every engine test
     before them. Under xdist the shared unit comes first instead (the other worker takes the rest meanwhile)."""
-    shared = defaultdict(bool)  # by module file
+    shared, resources = defaultdict(bool), defaultdict(set)  # by module file
     for item in items:
-        shares = {m.args[0] for m in item.iter_markers("shares")}
-        shared[item.path] |= "redis" in shares or any(name in item.fixturenames for name in SHARED_SERVERS)
+        resources[item.path] |= {m.args[0] for m in item.iter_markers("shares")}
+        shared[item.path] |= any(name in item.fixturenames for name in SHARED_SERVERS)
+    for path, used in resources.items():
+        shared[path] |= "redis" in used
     parallel = xdist_worker(config)
 
     def order(item):
@@ -187,6 +189,5 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=order)  # stable: the order within each group stays
     if parallel:
         for item in items:
-            shares = {m.args[0] for m in item.iter_markers("shares")}
-            group = "shared" if shared[item.path] else "ray" if "ray" in shares else item.path.name
+            group = "shared" if shared[item.path] else "ray" if "ray" in resources[item.path] else item.path.name
             item.add_marker(pytest.mark.xdist_group(group))
