@@ -62,7 +62,7 @@ $(GUIDELLM_STAMP):
 # threads wait passively at barriers (libgomp's default spins, and a thread spinning for one engine holds a core
 # another engine's barrier waits on). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS))
 TEST_ENV = $(if $(filter 0,$(TEST_WORKERS)),,OMP_WAIT_POLICY=PASSIVE)
 
 test: setup

@@ -6,10 +6,11 @@ start-up (half a minute each on two cores) overlaps the modules that need neithe
 in the order their marker gives: they kill an engine of the shared platform, then stop it.
 
 Under pytest-xdist (`make test` runs two workers: the suite leaves about half of two cores idle, waiting on engine
-start-ups, processes and sockets) a module is one unit of work, as with `--dist loadfile`, except that the modules
-using the shared servers, and those marked `shares("redis")` (the Redis every machine runs, db 0), form one unit
-"shared", handed out first and run in order by one worker, which starts the shared servers at its first test; the
-modules marked `shares("ray")` form another (one Ray cluster at a time on two cores)."""
+start-ups, processes and sockets) a module is one unit of work, except the modules of UNITS: "shared" (those using the
+shared servers, or marked `shares("redis")`: the Redis every machine runs, db 0) runs in order on one worker, which
+starts the shared servers at its first test, and "ray" (marked `shares("ray")`: one Ray cluster at a time on two cores)
+on one worker too. They are handed out first, the longest first. The scheduler sees test ids only, hence the table;
+collection checks it against the fixtures and markers."""
 
 from __future__ import annotations
 
@@ -167,27 +168,53 @@ def offline_engines():
         engines.close()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+# Under xdist: the modules that run one after another on one worker, each unit handed out in this order.
+UNITS = {
+    "shared": ("test_batch.py", "test_bench_platform.py", "test_deploy_live.py", "test_gateway.py", "test_gateway_hostile.py",
+               "test_openai_compat.py", "test_quiet_start.py", "test_reliability.py", "test_remote_backend.py", "test_replicas.py",
+               "test_workers.py"),
+    "ray": ("test_serve_ray.py", "test_serve_ray_attach.py"),
+}
+
+
+def unit_of(module: str) -> str:
+    return next((unit for unit, modules in UNITS.items() if module in modules), module)
+
+
+@pytest.hookimpl(optionalhook=True)  # no such hook without xdist (TEST_WORKERS=0)
+def pytest_xdist_make_scheduler(config, log):
+    """Work units by UNITS (xdist's own xdist_group marks rename test ids, which pytest 9 no longer reads)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid.split("::")[0].rsplit("/", 1)[-1])
+
+    return UnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """Modules that use no shared server first (the shared servers start meanwhile), then the others, each module's
     tests in their order; tests marked `last(n)` after all others, by n: the shared platform serves every engine test
-    before them. Under xdist the shared unit comes first instead (the other worker takes the rest meanwhile)."""
-    shared, resources = defaultdict(bool), defaultdict(set)  # by module file
+    before them. Under xdist the units of UNITS come first instead, in its order (the other worker takes the rest
+    meanwhile)."""
+    needs = defaultdict(set)  # by module file: the shared servers and machine-wide resources its tests use
     for item in items:
-        resources[item.path] |= {m.args[0] for m in item.iter_markers("shares")}
-        shared[item.path] |= any(name in item.fixturenames for name in SHARED_SERVERS)
-    for path, used in resources.items():
-        shared[path] |= "redis" in used
+        needs[item.path.name] |= {m.args[0] for m in item.iter_markers("shares")} | set(SHARED_SERVERS).intersection(item.fixturenames)
+    for module, used in needs.items():
+        unit = "shared" if used - {"ray"} else "ray" if used else module
+        if unit_of(module) != unit:
+            raise pytest.UsageError(f"tests/conftest.py UNITS: {module} uses {', '.join(sorted(used)) or 'nothing shared'}, so it "
+                                    f"belongs to {'unit ' + repr(unit) if unit != module else 'no unit'}")
     parallel = xdist_worker(config)
+    rank = {unit: i for i, unit in enumerate(UNITS)}
 
     def order(item):
         mark = item.get_closest_marker("last")
-        if mark is None:
-            return (0, shared[item.path] != parallel, 0)
-        return (1, True, mark.args[0] if mark.args else 0)
+        if mark is not None:
+            return (1, 0, mark.args[0] if mark.args else 0)
+        if parallel:
+            return (0, rank.get(unit_of(item.path.name), len(rank)), 0)
+        return (0, unit_of(item.path.name) == "shared", 0)
 
     items.sort(key=order)  # stable: the order within each group stays
-    if parallel:
-        for item in items:
-            group = "shared" if shared[item.path] else "ray" if "ray" in resources[item.path] else item.path.name
-            item.add_marker(pytest.mark.xdist_group(group))
