@@ -177,19 +177,20 @@ def test_bad_lora_settings_are_refused_before_anything_loads(tiny_base, train_te
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_vllm_serves_a_merged_lora_checkpoint_like_the_reference(tiny_base, tmp_path):
+def test_vllm_serves_a_merged_lora_checkpoint_like_the_reference(tiny_base, tmp_path, offline_engines):
     pytest.importorskip("vllm")
-    from harness.engines import generate, offline_llm, prompt
+    from harness.engines import generate, prompt
 
     model = _student(tiny_base, b_std=0.3)
     write_checkpoint(model, tiny_base, tmp_path / "run", trainable_parameters(model, "lora"))
     ref, plain = load_model(str(tmp_path / "run")), build_student(tiny_base, 4, 1)
     prompts = [prompt(n) for n in (5, 33, 70)]
-    llm = offline_llm(tmp_path / "run")
+    # through the run's shared engines: an in-process engine's shutdown tears down vLLM's process-wide state, which
+    # an engine another module left running would still need
     try:
-        outputs = generate(llm, prompts, logprobs=None)
+        outputs = generate(offline_engines.get(tmp_path / "run"), prompts, logprobs=None)
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        offline_engines.close()
     for p, out in zip(prompts, outputs):
         got = list(out.outputs[0].token_ids)
         assert got == ref.greedy_generate(p, len(got), swiftkv=True)

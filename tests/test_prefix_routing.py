@@ -509,11 +509,11 @@ def test_the_gateway_follows_each_pools_kv_cache_events(tiny_base, tmp_path):
 
 
 @pytest.mark.engine
-def test_a_vllm_engine_publishes_the_blocks_the_gateway_hashes(tiny_base, tmp_path):
+def test_a_vllm_engine_publishes_the_blocks_the_gateway_hashes(tiny_base, tmp_path, offline_engines):
     """A real engine with kv_events_config as the gateway sets it for an in-process pool (services/serving/pools.py):
     the blocks it stores for a prompt are those the gateway's index computes, so the events land on the index's own
     keys: the prompt's full blocks, predicted cached, and nothing of a prompt it never saw."""
-    from harness.engines import BLOCK, generate, offline_llm, prompt
+    from harness.engines import BLOCK, generate, prompt
 
     from services.common.kv_events import KVEventFeed
 
@@ -521,7 +521,9 @@ def test_a_vllm_engine_publishes_the_blocks_the_gateway_hashes(tiny_base, tmp_pa
     index = PrefixIndex(capacity_blocks=64, block_size=BLOCK)
     feed = KVEventFeed(endpoint, lambda h: index.record("e", h), lambda h: index.removed("e", h), lambda: index.forget("e"))
     feed.start()
-    llm = offline_llm(tiny_base, kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint})
+    # through the run's shared engines (closed at the end): an in-process engine's shutdown tears down vLLM's
+    # process-wide state, which an engine another module left running would still need
+    llm = offline_engines.get(tiny_base, kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint})
     try:
         import time
 
@@ -542,7 +544,7 @@ def test_a_vllm_engine_publishes_the_blocks_the_gateway_hashes(tiny_base, tmp_pa
         assert index.cached_tokens("e", index.hashes(ids)) == 3 * BLOCK
         assert index.cached_tokens("e", index.hashes(prompt(3 * BLOCK, seed=2))) == 0
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        offline_engines.close()
         feed.stop()
 
 
