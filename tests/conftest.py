@@ -9,7 +9,7 @@ Under pytest-xdist (`make test` runs two workers: the suite leaves about half of
 start-ups, processes and sockets) a module is one unit of work, except the modules of UNITS: "shared" (those using the
 shared servers, or marked `shares("redis")`: the Redis every machine runs, db 0) runs in order on one worker, which
 starts the shared servers at its first test, and "ray" (marked `shares("ray")`: one Ray cluster at a time on two cores)
-on one worker too. They are handed out first, the longest first. The scheduler sees test ids only, hence the table;
+on one worker too. They are handed out first, in UNITS's order. The scheduler sees test ids only, hence the table;
 collection checks it against the fixtures and markers."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from harness import FakeBackend, free_port, metric, scrape, swiftkv_serve
+from harness import HTTP_TIMEOUT, FakeBackend, free_port, metric, scrape, swiftkv_serve
 from harness.batch import (
     PROMPT_HEAVY,
     chat_line,
@@ -278,7 +278,7 @@ def test_a_key_sees_only_its_own_files_and_batches(served, client):
     assert finished(other, theirs.id).status == "completed"
     with pytest.raises(openai.AuthenticationError):
         served.client("sk-wrong").files.list()
-    assert httpx.get(f"{served.base}/v1/batches", timeout=60).status_code == 401
+    assert httpx.get(f"{served.base}/v1/batches", timeout=HTTP_TIMEOUT).status_code == 401
 
 
 def test_batch_work_yields_to_live_traffic_on_a_pool():

@@ -16,7 +16,7 @@ import time
 import httpx
 import openai
 import pytest
-from harness import free_port, metric, scrape, served_gateway, swiftkv_serve
+from harness import HTTP_TIMEOUT, free_port, metric, scrape, served_gateway, swiftkv_serve
 
 KEY = "sk-test-main"
 PUBLIC = "edge"
@@ -116,16 +116,16 @@ def test_bounds_are_4xx_naming_the_field_and_the_limit(client, edge_server):
     r = chat(model=PUBLIC, messages=HI * 8, max_tokens=2, n=3, stop=["a" * 16, "b"], logit_bias={str(i): 1 for i in range(4)})
     assert len(r.choices) == 3
     h = {"Authorization": f"Bearer {KEY}"}
-    r = httpx.post(f"{edge_server}/tokenize", json={"messages": HI * 9}, headers=h, timeout=60)
+    r = httpx.post(f"{edge_server}/tokenize", json={"messages": HI * 9}, headers=h, timeout=HTTP_TIMEOUT)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     # body: 413 from Content-Length, and from the bytes of a chunked body that declares none
     big = json.dumps({"model": PUBLIC, "prompt": "a" * 60_000}).encode()
-    r = httpx.post(f"{edge_server}/v1/completions", content=big, headers=h, timeout=60)
+    r = httpx.post(f"{edge_server}/v1/completions", content=big, headers=h, timeout=HTTP_TIMEOUT)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large" and "50000 bytes" in r.json()["error"]["message"]
-    r = httpx.post(f"{edge_server}/v1/completions", content=iter([big[:30_000], big[30_000:]]), headers=h, timeout=60)
+    r = httpx.post(f"{edge_server}/v1/completions", content=iter([big[:30_000], big[30_000:]]), headers=h, timeout=HTTP_TIMEOUT)
     assert r.status_code == 413 and "limits.max_body_bytes" in r.json()["error"]["message"]
     # headers: 431 in OpenAI's envelope, the connection closed
-    r = httpx.post(f"{edge_server}/v1/completions", json={"model": PUBLIC, "prompt": "x"}, headers={**h, "x-big": "b" * 5000}, timeout=60)
+    r = httpx.post(f"{edge_server}/v1/completions", json={"model": PUBLIC, "prompt": "x"}, headers={**h, "x-big": "b" * 5000}, timeout=HTTP_TIMEOUT)
     assert r.status_code == 431 and r.json()["error"]["code"] == "request_header_fields_too_large"
     assert "4096 bytes" in r.json()["error"]["message"] and r.headers["connection"] == "close"
     m = scrape(edge_server)

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from harness import metric, scrape, wait_until
+from harness import HTTP_TIMEOUT, metric, scrape, wait_until
 from harness.engines import ENV_ONLY_KEY, KEY, PUBLIC, engine_cores
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -43,8 +43,8 @@ LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 20)  # ~200 t
 
 # ---- the OpenAI surface ------------------------------------------------------------------------------
 def test_health_ready_and_models(server, client):
-    assert httpx.get(f"{server}/health", timeout=60).json() == {"status": "ok"}  # open without a key
-    ready = httpx.get(f"{server}/ready", timeout=60).json()
+    assert httpx.get(f"{server}/health", timeout=HTTP_TIMEOUT).json() == {"status": "ok"}  # open without a key
+    ready = httpx.get(f"{server}/ready", timeout=HTTP_TIMEOUT).json()
     assert ready == {"ready": True, "started": True, "pools": {"swiftkv": True, "base": True}}
     ids = {m.id for m in client.models.list().data}
     assert ids == {PUBLIC, f"{PUBLIC}-swiftkv", f"{PUBLIC}-base"}
@@ -198,7 +198,7 @@ def test_out_of_range_seed_is_400_and_the_pool_keeps_serving(server, client):
         for seed in (2**63 - 1, -(2**63)):  # the signed 64-bit range is served, by the same pool
             raw = client.chat.completions.with_raw_response.create(**ask, seed=seed)
             assert raw.status_code == 200 and route(raw.headers)["pool"] == pool
-    assert httpx.get(f"{server}/ready", timeout=60).json()["ready"] is True
+    assert httpx.get(f"{server}/ready", timeout=HTTP_TIMEOUT).json()["ready"] is True
 
 
 def test_a_stream_the_engine_refuses_gets_a_real_status(server, client):
@@ -213,7 +213,7 @@ def test_a_stream_the_engine_refuses_gets_a_real_status(server, client):
     assert "logprobs" in e.value.body["message"] and e.value.body["type"] == "invalid_request_error"
     h = {"Authorization": f"Bearer {KEY}"}
     body = {"model": PUBLIC, "prompt": "hi", "max_tokens": 2, "logprobs": 5, "stream": True, "n": 2}
-    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=h, timeout=60) as r:
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=h, timeout=HTTP_TIMEOUT) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")  # within the limit
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
@@ -285,9 +285,9 @@ def test_a_conversations_second_turn_hits_the_engines_prefix_cache_where_the_gat
 def test_api_keys_file_flag_wins_over_the_environment(server):
     """--api-keys-file wins over SWIFTKV_API_KEYS_FILE: the environment's file is not read at all (the rest of
     authentication: test_gateway_api.py::test_auth)."""
-    r = httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {ENV_ONLY_KEY}"}, timeout=60)
+    r = httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {ENV_ONLY_KEY}"}, timeout=HTTP_TIMEOUT)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).status_code == 200
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=HTTP_TIMEOUT).status_code == 200
 
 
 def test_metrics_after_traffic(server, client):
@@ -312,7 +312,7 @@ def test_metrics_after_traffic(server, client):
     assert metric(m, "swiftkv_requests_rejected_total", reason="unknown_model") >= 1
     assert metric(m, "swiftkv_requests_rejected_total", reason="auth") >= 1
     assert metric(m, "swiftkv_gateway_overhead_seconds_count", pool="base") >= 1
-    text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).text
+    text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=HTTP_TIMEOUT).text
     names = {f.name for f in text_string_to_metric_families(text)}  # one valid page: engines merged, no duplicates
     assert {"vllm:time_to_first_token_seconds", "vllm:num_requests_running", "swiftkv_route_decisions"} <= names
 
@@ -345,7 +345,7 @@ def test_client_disconnect_aborts_the_engine_request(server, platform):
     finally:
         core.resume()
     # A request sent after the aborts reaches the engine after them: once it is answered, the engine has read them.
-    probe = httpx.post(f"{server}/v1/chat/completions", json={**body, "max_tokens": 2}, headers=h, timeout=60).json()
+    probe = httpx.post(f"{server}/v1/chat/completions", json={**body, "max_tokens": 2}, headers=h, timeout=HTTP_TIMEOUT).json()
     assert probe["usage"]["completion_tokens"] == 2
     wait_until(lambda: metric(scrape(server), "vllm:num_requests_running", **engine) == 0, 20,
                "the engine done with every request")

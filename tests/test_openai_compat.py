@@ -19,6 +19,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from harness import HTTP_TIMEOUT
 from harness.engines import KEY, MAX_MODEL_LEN, UPSTREAM, UPSTREAM_KEY
 
 PUBLIC = "tiny"
@@ -282,9 +283,9 @@ def test_a_tool_call_round_trips(ours, theirs, platform_base):
     assert mine.usage.prompt_tokens == bare_answer.usage.prompt_tokens
     # the tool's answer is in the prompt the engine saw
     tokens = httpx.post(f"{platform_base}/tokenize", json={"model": BASE, "messages": messages},
-                        headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()
+                        headers={"Authorization": f"Bearer {KEY}"}, timeout=HTTP_TIMEOUT).json()
     assert '{"temperature_c": 21}' in httpx.post(f"{platform_base}/detokenize", json={"tokens": tokens["tokens"]},
-                                                 headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()["prompt"]
+                                                 headers={"Authorization": f"Bearer {KEY}"}, timeout=HTTP_TIMEOUT).json()["prompt"]
 
 
 @pytest.mark.xfail(strict=False, reason="timing-bound: where the tiny model runs a 480-token request in tens of milliseconds "
@@ -341,15 +342,15 @@ def test_tokenize_detokenize_and_version_as_vllm(platform_base, bare):
     auth = {"Authorization": f"Bearer {KEY}"}
     for body in ({"prompt": PROMPT}, {"prompt": PROMPT, "add_special_tokens": False}, {"messages": MESSAGES},
                  {"messages": MESSAGES, "add_generation_prompt": False}):
-        mine = httpx.post(f"{platform}/tokenize", json={"model": BASE} | body, headers=auth, timeout=60).json()
-        theirs = httpx.post(f"{bare}/tokenize", json={"model": BARE} | body, headers=BARE_AUTH, timeout=60).json()
+        mine = httpx.post(f"{platform}/tokenize", json={"model": BASE} | body, headers=auth, timeout=HTTP_TIMEOUT).json()
+        theirs = httpx.post(f"{bare}/tokenize", json={"model": BARE} | body, headers=BARE_AUTH, timeout=HTTP_TIMEOUT).json()
         assert (mine["tokens"], mine["count"], mine["max_model_len"]) == (theirs["tokens"], theirs["count"], MAX_MODEL_LEN)
-        back = httpx.post(f"{platform}/detokenize", json={"tokens": mine["tokens"]}, headers=auth, timeout=60).json()
-        assert back == httpx.post(f"{bare}/detokenize", json={"model": BARE, "tokens": mine["tokens"]}, headers=BARE_AUTH, timeout=60).json()
-    assert httpx.get(f"{platform}/version", timeout=60).json() == httpx.get(f"{bare}/version", headers=BARE_AUTH, timeout=60).json()
-    r = httpx.post(f"{platform}/detokenize", json={"tokens": [10**6]}, headers=auth, timeout=60)
+        back = httpx.post(f"{platform}/detokenize", json={"tokens": mine["tokens"]}, headers=auth, timeout=HTTP_TIMEOUT).json()
+        assert back == httpx.post(f"{bare}/detokenize", json={"model": BARE, "tokens": mine["tokens"]}, headers=BARE_AUTH, timeout=HTTP_TIMEOUT).json()
+    assert httpx.get(f"{platform}/version", timeout=HTTP_TIMEOUT).json() == httpx.get(f"{bare}/version", headers=BARE_AUTH, timeout=HTTP_TIMEOUT).json()
+    r = httpx.post(f"{platform}/detokenize", json={"tokens": [10**6]}, headers=auth, timeout=HTTP_TIMEOUT)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
-    assert httpx.post(f"{platform}/tokenize", json={"prompt": "x"}, timeout=60).status_code == 401
+    assert httpx.post(f"{platform}/tokenize", json={"prompt": "x"}, timeout=HTTP_TIMEOUT).status_code == 401
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from harness import free_port, metric, scrape, swiftkv_serve
+from harness import HTTP_TIMEOUT, free_port, metric, scrape, swiftkv_serve
 from harness.engines import KEY, PUBLIC, engine_cores, every_pool_ready
 
 pytestmark = pytest.mark.shares("redis")
@@ -109,11 +109,11 @@ def test_kill_9_of_an_engine_under_load(platform, capsys):
     failed_before = [r for r in before if r[1] != 200 or (r[0] == "stream" and r[4] is not None)]
 
     deadline = time.time() + 30
-    while all((pools := httpx.get(f"{base}/ready", timeout=60).json()["pools"]).values()):
+    while all((pools := httpx.get(f"{base}/ready", timeout=HTTP_TIMEOUT).json()["pools"]).values()):
         assert time.time() < deadline, "the dead engine's pool stayed in routing"
         time.sleep(0.2)
     assert pools == {"swiftkv": False, "base": True}
-    assert httpx.get(f"{base}/health", timeout=60).status_code == 200  # the other pool still serves
+    assert httpx.get(f"{base}/health", timeout=HTTP_TIMEOUT).status_code == 200  # the other pool still serves
     for prompt, max_tokens in ((PROMPT, 2), ("hi", 64)):  # routed to either pool by ratio: the live one answers
         raw = client.chat.completions.with_raw_response.create(model=PUBLIC, messages=[{"role": "user", "content": prompt}],
                                                                max_tokens=max_tokens, extra_body={"ignore_eos": True})
@@ -131,7 +131,7 @@ def test_kill_9_of_an_engine_under_load(platform, capsys):
     r = client.chat.completions.create(model=f"{PUBLIC}-swiftkv", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                        extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3
-    text = httpx.get(f"{base}/metrics", timeout=60).text
+    text = httpx.get(f"{base}/metrics", timeout=HTTP_TIMEOUT).text
     running = [line for line in text.splitlines() if line.startswith("vllm:num_requests_running{") and f'"{PUBLIC}-swiftkv"' in line]
     assert len(running) == 1  # the restarted engine's metrics replaced the dead one's
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from harness import swiftkv_serve
+from harness import HTTP_TIMEOUT, swiftkv_serve
 from harness.engines import engine_args
 from harness.training import MODEL, QUICK, Trainer, create, records, wait_status
 
@@ -53,7 +53,7 @@ def events(client, job_id: str) -> list:
 
 def scrape(client) -> dict[str, float]:
     """The trainer's /metrics as {series: value}."""
-    text = httpx.get(f"{client.base_url}".replace("/v1/", "/metrics"), timeout=60).text
+    text = httpx.get(f"{client.base_url}".replace("/v1/", "/metrics"), timeout=HTTP_TIMEOUT).text
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 

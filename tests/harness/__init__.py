@@ -7,7 +7,7 @@ from services.serving.fake import FakeBackend
 
 from .gateway import served_gateway
 from .metrics import metric, scrape
-from .processes import Server, free_port, swiftkv_serve, vllm_openai_server, wait_until
+from .processes import HTTP_TIMEOUT, Server, free_port, swiftkv_serve, vllm_openai_server, wait_until
 
-__all__ = ["FakeBackend", "Server", "free_port", "metric", "scrape", "served_gateway", "swiftkv_serve", "vllm_openai_server",
+__all__ = ["HTTP_TIMEOUT", "FakeBackend", "Server", "free_port", "metric", "scrape", "served_gateway", "swiftkv_serve", "vllm_openai_server",
            "wait_until"]

@@ -24,6 +24,8 @@ CLEAN_ENV = {"SWIFTKV_API_KEYS": "", "SWIFTKV_API_KEYS_FILE": "", "SWIFTKV_REDIS
 # on one GPU): on CPU vLLM otherwise spawns a worker process per engine that imports vLLM again (about 6 s a start on
 # two cores). The shared platform keeps vLLM's CPU layout, which its tests check (harness.engines.launch_platform).
 ONE_PROCESS_ENGINES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# A request to a real engine on two cores shared with other tests' engines (httpx waits 5 s by default).
+HTTP_TIMEOUT = 60
 
 
 def tool_env() -> dict:
