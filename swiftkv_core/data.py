@@ -56,7 +56,8 @@ def load_records(path: str | Path) -> list[dict]:
         return [r for f in files for r in load_records(f)]
     if path.suffix == ".jsonl":
         records = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        # lines end at LF only: a string may hold U+2028 or NEL unescaped, where str.splitlines would cut it
+        for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
             if not line.strip():
                 continue
             try:

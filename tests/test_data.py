@@ -22,6 +22,9 @@ def test_records_from_txt_jsonl_and_folder(tmp_path):
     assert D.load_records(tmp_path / "a.txt") == [{"text": "plain text"}]
     assert len(D.load_records(tmp_path / "b.jsonl")) == 2
     assert len(D.load_records(tmp_path)) == 3
+    separators = {"text": "one\u2028two\u2029three\x85four"}  # JSON leaves them unescaped; they end no line
+    (tmp_path / "sep.jsonl").write_text(json.dumps(separators, ensure_ascii=False) + "\r\n", encoding="utf-8")
+    assert D.load_records(tmp_path / "sep.jsonl") == [separators]
     with pytest.raises(D.DataError, match="does not exist"):
         D.load_records(tmp_path / "nope.txt")
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{oops\n')

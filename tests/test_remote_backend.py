@@ -105,3 +105,12 @@ def test_vllms_extensions_reach_the_server(vllm_server):
     deltas = [c for o in outs for c in o.choices]
     # token 300 is forced, but it is a stop token that min_tokens keeps out of the first 3
     assert error is None and sum(c.num_tokens for c in deltas) == 4 and deltas[-1].finish_reason == "stop"
+
+
+def test_an_answer_holding_unicode_line_separators_comes_through_whole(vllm_server):
+    """SSE lines end at CR or LF only: an answer holding U+2028, U+2029 or NEL (U+0085), which JSON leaves unescaped
+    and `str.splitlines` would cut at, reaches the client whole (a structured choice makes vLLM answer with them)."""
+    text = "a\u2028b\u2029c\x85d"
+    ask = SamplingOptions(max_tokens=20, structured={"choice": [text]})
+    _, outs, error = generate(vllm_server, GenerateRequest("r-sep", [5, 6, 7, 8], ask))
+    assert error is None and "".join(c.text for o in outs for c in o.choices) == text

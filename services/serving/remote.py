@@ -37,6 +37,19 @@ def request_fields(sampling: SamplingOptions) -> dict:
     return body
 
 
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The lines of a server-sent event stream. They end at LF or CRLF only (the SSE format's line ends; the lone CR
+    it also allows is sent by no OpenAI-compatible server): httpx's `aiter_lines` also ends a line at U+2028, U+2029
+    and NEL, which JSON leaves unescaped inside a string, so an answer holding one would be cut mid-event."""
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            yield line.removesuffix(b"\r").decode(errors="replace")
+    if pending:
+        yield pending.removesuffix(b"\r").decode(errors="replace")
+
+
 class RemoteBackend:
     def __init__(self, name: str, url: str, model: str, api_key: str | None = None, timeout: float = 600.0,
                  kv_events: str | None = None):
@@ -74,7 +87,7 @@ class RemoteBackend:
             async with self.client.stream("POST", f"{self.base}/completions", json=body) as response:
                 if response.status_code >= 400:
                     raise _upstream_error(response.status_code, (await response.aread()).decode(errors="replace"))
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response):
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
