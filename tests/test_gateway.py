@@ -53,7 +53,8 @@ def test_health_ready_and_models(server, client):
 def test_each_engine_computes_on_its_own_cores(platform):
     """On CPUs (cpu_cores auto, two in-process engines), each engine core process starts with its own
     VLLM_CPU_OMP_THREADS_BIND (as vLLM logs it), its worker's OpenMP threads are bound to exactly those CPUs,
-    and the two engines' CPUs differ when the gateway may use two or more; schedulers keep the whole mask."""
+    and the two engines' CPUs differ when the gateway may use two or more; schedulers keep the whole mask. With cores
+    of their own the two engines start together: the second starts before the first is ready."""
     import psutil
 
     from swiftkv_core.hardware import parse_cpu_list
@@ -81,6 +82,9 @@ def test_each_engine_computes_on_its_own_cores(platform):
     assert shares[0] | shares[1] <= allowed
     if len(allowed) >= 2:
         assert not shares[0] & shares[1]
+    events = [("start" if "starting the engine" in line else "ready") for line in log.splitlines()
+              if re.search(r"pool (swiftkv|base): (starting the engine|engine for .* ready in)", line)]
+    assert events == ["start", "start", "ready", "ready"], log
 
 
 def test_engines_run_on_tcmalloc(platform):

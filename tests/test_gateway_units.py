@@ -384,3 +384,83 @@ def test_tool_schemas_are_the_ones_vllm_derives(choice, parallel):
     theirs = VllmChatRequest.model_validate(body)
     assert tools_json_schema(ours) == get_json_schema_from_tools(theirs.tool_choice, theirs.tools, theirs.parallel_tool_calls)
     assert ours.tools[0].function.parameters["$defs"] == {"item": item}  # the request's own tools are left as they were
+
+
+class SlowStart(FakeBackend):
+    """A fake engine whose start takes `seconds` and records when it ran."""
+
+    def __init__(self, name: str, seconds: float, alongside: bool):
+        super().__init__(name)
+        self.seconds, self.starts_alongside, self.ran = seconds, alongside, (0.0, 0.0)
+
+    async def start(self) -> None:
+        began = asyncio.get_running_loop().time()
+        await asyncio.sleep(self.seconds)
+        self.ran = (began, asyncio.get_running_loop().time())
+
+
+@pytest.mark.parametrize("alongside, together", [((True, True), True), ((True, False), False), ((False, False), False)])
+def test_pools_start_together_only_where_no_start_competes_with_another(tiny_base, alongside, together):
+    """In-process engines on CPU cores of their own start at once; anything else (one GPU, shared cores, Ray,
+    remote servers) one by one, as before."""
+    from services.gateway.pool_lifecycle import PoolLifecycle
+
+    cfg = PlatformConfig(model="m", pools={name: {"model": str(tiny_base), "engine_args": {"max_model_len": 64}} for name in ("swiftkv", "base")})
+    backends = {"swiftkv": SlowStart("swiftkv", 0.3, alongside[0]), "base": SlowStart("base", 0.3, alongside[1])}
+    lifecycle = PoolLifecycle(cfg, backends)
+
+    async def run():
+        await lifecycle.start()
+        await lifecycle.stop()
+
+    asyncio.run(run())
+    assert lifecycle.ready
+    first_ready, second_began = backends["swiftkv"].ran[1], backends["base"].ran[0]
+    assert (second_began < first_ready) == together  # overlapping, or the second after the first
+
+
+def test_the_cpu_binding_holds_only_until_the_engine_core_process_exists():
+    """The engine core takes VLLM_CPU_OMP_THREADS_BIND from the environment it is spawned with: the variable is set
+    for that spawn (a real child process named as vLLM names it) and restored as soon as the child exists, while the
+    engine is still starting, so a second engine's start can set its own value without waiting for the first."""
+    import multiprocessing
+    import os
+    import threading
+    import time
+    from pathlib import Path
+
+    from services.serving.engine import cpu_binding
+    from swiftkv_core.hardware import BIND_ENV
+
+    def spawned_env(proc) -> dict[str, str]:
+        raw = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+        return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+    before = os.environ.get(BIND_ENV)
+    context = multiprocessing.get_context("spawn")
+    first = context.Process(target=time.sleep, args=(30,), name="EngineCore")
+    second = context.Process(target=time.sleep, args=(30,), name="EngineCore")
+    second_entered = threading.Event()
+
+    def start_second() -> None:
+        with cpu_binding("1"):
+            second_entered.set()
+            second.start()
+
+    try:
+        with cpu_binding("0"):
+            assert os.environ[BIND_ENV] == "0"
+            waiter = threading.Thread(target=start_second)
+            waiter.start()
+            assert not second_entered.wait(0.3)  # the value is held for the first engine's spawn
+            first.start()
+            assert second_entered.wait(10), "the binding was not released once the engine core existed"
+            waiter.join(10)
+            # the first engine is still starting (inside its binding); both cores got their own value
+            assert spawned_env(first)[BIND_ENV] == "0" and spawned_env(second)[BIND_ENV] == "1"
+        assert os.environ.get(BIND_ENV) == before
+    finally:
+        for proc in (first, second):
+            if proc.pid is not None:
+                proc.kill()
+                proc.join(10)

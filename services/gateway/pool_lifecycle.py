@@ -42,18 +42,14 @@ class PoolLifecycle:
             metrics.in_flight.labels(name).set(0)
 
     async def start(self) -> None:
-        """Start pools one by one (engines compete for the same cores), then watch each one's health."""
-        for pool in self.pools.values():
-            try:
-                await pool.backend.start()
-                cache = pool.backend.prefix_cache()
-                if cache is not None and self.on_cache is not None:
-                    self.on_cache(pool.name, *cache)
-                self.set_ready(pool, True)
-            except BackendDown as e:  # not up yet (e.g. a Ray Serve application still deploying): the watcher retries
-                log.warning("%s; the pool joins routing once its health check passes", e)
-            except Exception:
-                log.exception("pool %s failed to start; the other pool serves its traffic until it recovers", pool.name)
+        """Start the pools, then watch each one's health: together where no start competes with another's (engines
+        on CPU cores of their own), else one by one (engines sharing cores or a GPU, whose memory profiling would
+        count the other's)."""
+        if all(pool.backend.starts_alongside for pool in self.pools.values()):
+            await asyncio.gather(*(self._start(pool) for pool in self.pools.values()))
+        else:
+            for pool in self.pools.values():
+                await self._start(pool)
         # Everything loaded so far (torch, transformers, engines: ~10^6 objects) lives as long as the process.
         # Freezing it keeps the cyclic GC from re-scanning it: a full collection otherwise costs ~0.5 s on
         # two cores and, amortized, about as much CPU per request as the rest of the gateway.
@@ -62,6 +58,18 @@ class PoolLifecycle:
         self.started = True
         self._announce()
         self._tasks += [asyncio.create_task(self._watch(pool)) for pool in self.pools.values()]
+
+    async def _start(self, pool: PoolState) -> None:
+        try:
+            await pool.backend.start()
+            cache = pool.backend.prefix_cache()
+            if cache is not None and self.on_cache is not None:
+                self.on_cache(pool.name, *cache)
+            self.set_ready(pool, True)
+        except BackendDown as e:  # not up yet (e.g. a Ray Serve application still deploying): the watcher retries
+            log.warning("%s; the pool joins routing once its health check passes", e)
+        except Exception:
+            log.exception("pool %s failed to start; the other pool serves its traffic until it recovers", pool.name)
 
     def set_ready(self, pool: PoolState, ready: bool) -> None:
         if ready != pool.ready:

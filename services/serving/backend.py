@@ -99,6 +99,9 @@ class BadRequest(ValueError):
 
 class Backend(Protocol):
     name: str
+    # Whether its start competes with no other pool's for the machine (in-process engines bound to CPU cores of
+    # their own): the gateway starts such pools together, others one by one.
+    starts_alongside: bool
 
     async def start(self) -> None:
         """Bring the engines up and warm them up; return once the backend can serve."""

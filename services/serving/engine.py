@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import multiprocessing
 import os
 import threading
 import time
@@ -33,15 +34,32 @@ SHUTDOWN_SECONDS = 15.0
 
 class EngineMetrics:
     """vLLM registers its `vllm:` metrics in the global registry and unregisters any earlier ones when a
-    second engine starts in the same process. We move each engine's collectors into its own registry
-    right after it starts and expose the union from one collector (samples differ by `model_name`)."""
+    second engine starts in the same process. Each engine's Prometheus logger (`stat_logger`) moves its
+    collectors into the engine's own registry as it is built, and one collector exposes the union (samples
+    differ by `model_name`)."""
 
     def __init__(self) -> None:
         self.registries: dict[str, CollectorRegistry] = {}
+        self._registering = threading.Lock()  # one engine's register-then-move at a time: engines start together
         REGISTRY.register(self)
 
-    def adopt_vllm_collectors(self, engine: str) -> None:
-        """Take the collectors the newest engine registered; a restarted engine's replace its old ones."""
+    def stat_logger(self, engine: str):
+        """vLLM's Prometheus stat logger for `engine`, as a factory for `AsyncLLM(stat_loggers=...)`: it registers
+        vLLM's metrics and moves them into the engine's registry in one step, so an engine starting alongside
+        cannot unregister them in between. A restarted engine's replace its old ones."""
+        from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+        metrics = self
+
+        class EnginePrometheusStatLogger(PrometheusStatLogger):
+            def __init__(self, *args, **kwargs):
+                with metrics._registering:
+                    super().__init__(*args, **kwargs)
+                    metrics._adopt_vllm_collectors(engine)
+
+        return EnginePrometheusStatLogger
+
+    def _adopt_vllm_collectors(self, engine: str) -> None:
         own = CollectorRegistry(auto_describe=False)
         for collector in list(REGISTRY._collector_to_names):
             if getattr(collector, "_name", "").startswith("vllm:"):
@@ -107,24 +125,43 @@ _spawn_env = threading.Lock()
 
 @contextmanager
 def cpu_binding(bind: str | None):
-    """VLLM_CPU_OMP_THREADS_BIND = `bind` while an engine starts (None: the environment as it is). vLLM reads it in
-    the engine core process, which starts with this process's environment when the AsyncLLM is built; the lock
-    keeps two engines starting at once (restarts) from seeing each other's value."""
+    """VLLM_CPU_OMP_THREADS_BIND = `bind` for the engine core process that building an AsyncLLM spawns (None: the
+    environment as it is). vLLM reads it in that process, which takes this process's environment as it is spawned:
+    the variable is held (under a lock, so two engines starting at once do not see each other's value) only until
+    the new EngineCore child exists. The rest of the start (model load, KV cache, warm-up) overlaps other engines'."""
     from swiftkv_core.hardware import BIND_ENV
 
     if bind is None:
         yield
         return
-    with _spawn_env:
-        before = os.environ.get(BIND_ENV)
-        os.environ[BIND_ENV] = bind
-        try:
-            yield
-        finally:
+    _spawn_env.acquire()
+    known = set(multiprocessing.active_children())
+    before = os.environ.get(BIND_ENV)
+    os.environ[BIND_ENV] = bind
+    restored = threading.Event()
+    restoring = threading.Lock()
+
+    def restore() -> None:
+        with restoring:
+            if restored.is_set():
+                return
             if before is None:
                 os.environ.pop(BIND_ENV, None)
             else:
                 os.environ[BIND_ENV] = before
+            restored.set()
+            _spawn_env.release()
+
+    def restore_once_spawned() -> None:
+        while not restored.wait(0.02):
+            if any(p.name.startswith("EngineCore") for p in set(multiprocessing.active_children()) - known):
+                restore()
+
+    threading.Thread(target=restore_once_spawned, name="cpu-binding", daemon=True).start()
+    try:
+        yield
+    finally:
+        restore()
 
 
 class VLLMEngine:
@@ -167,15 +204,13 @@ class VLLMEngine:
             llm.shutdown(timeout=SHUTDOWN_SECONDS)
             llm = None
 
-    async def start(self, adopt_metrics: bool = False) -> None:
+    async def start(self) -> None:
         t0 = time.perf_counter()
         self.stopped = False
         log.info("pool %s: starting the engine for %s", self.name, self.model)
         await asyncio.to_thread(self._build)
         if self.llm is None:
             raise BackendDown(f"pool {self.name}: stopped while its engine started")
-        if adopt_metrics:
-            engine_metrics().adopt_vllm_collectors(self.name)
         if self.warmup:
             request = GenerateRequest(f"warmup-{self.name}", WARMUP_PROMPT, SamplingOptions(max_tokens=2))
             async for _ in self.generate(request):
@@ -269,8 +304,14 @@ class VLLMEngine:
 class InProcessBackend(VLLMEngine):
     """The gateway's own engine (no Ray): `swiftkv serve --engine inprocess`."""
 
-    async def start(self) -> None:  # type: ignore[override]
-        await super().start(adopt_metrics=True)
+    @property
+    def starts_alongside(self) -> bool:
+        """Bound to CPU cores of its own, its start competes with no other engine's."""
+        return self.cpu_bind is not None
+
+    async def start(self) -> None:
+        self.stat_loggers = [engine_metrics().stat_logger(self.name)]  # its metrics kept apart from other engines'
+        await super().start()
 
     async def recover(self) -> None:
         """Restart the engine if it is dead (its core process exited) or never finished starting; a live one

@@ -23,6 +23,7 @@ class FakeBackend:
     engines would publish KV-cache events (a test publishes there). It keeps every
     request it was sent (`requests`; none with `record` False, for a load test's millions) and counts `waiting` (at the
     gate), `served` (past the gate) and `aborted`."""
+    starts_alongside = False
 
     def __init__(self, name: str = "base", tokens: int | None = 1, delay: float = 0.0, text: str = "x", *, chunk: int = 1,
                  gate: asyncio.Event | None = None, hold: Callable[[GenerateRequest], bool] | None = None,

@@ -82,6 +82,7 @@ class RayBackend:
     pool's `ray_app`, deployed by someone else (a KubeRay RayService from the chart's serveConfigV2): then the
     gateway only attaches, and until the application is RUNNING the pool stays down while the gateway's
     health watcher retries with backoff."""
+    starts_alongside = False
 
     def __init__(self, name: str, cfg: PoolConfig, served_model_name: str, routing: RoutingConfig | None = None):
         self.name = name

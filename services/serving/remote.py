@@ -51,6 +51,8 @@ async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
 
 
 class RemoteBackend:
+    starts_alongside = False
+
     def __init__(self, name: str, url: str, model: str, api_key: str | None = None, timeout: float = 600.0,
                  kv_events: str | None = None):
         self.name = name

@@ -90,6 +90,7 @@ class ReplicaSet:
     """A Backend over several backends serving one model (`replicas`: name -> backend), each request sent to the
     replica `ReplicaChooser` picks; a replica that fails before its first token is marked down and the request tried
     once on another."""
+    starts_alongside = False
 
     def __init__(self, name: str, replicas: dict, chooser: ReplicaChooser):
         self.name = name

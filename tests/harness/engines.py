@@ -76,15 +76,20 @@ def platform_ready(server: Server) -> Server:
 
 
 def engine_cores(server: Server) -> dict:
-    """The shared platform's engine core processes (psutil) by pool, as started: its pools start one at a time, so
-    their cores in the order the console says they came up (an engine restarted later is not among them)."""
+    """The shared platform's engine core processes (psutil) by pool, as started (an engine restarted later is not
+    among them). The pools start together, so each core is told apart by the served model name it logs as it
+    initializes (the engines' log, data_dir/logs/serve.log), matched to the pool the console says serves that name."""
     import psutil
 
-    cores = sorted((p for p in psutil.Process(server.proc.pid).children(recursive=True) if "EngineCor" in p.name()),
-                   key=lambda p: p.create_time())
-    started = re.findall(r"pool (\w+): engine for", "\n".join(server.console_at_ready))
-    assert len(cores) == len(started) == len(set(started)), (cores, started)
-    return dict(zip(started, cores))
+    console = "\n".join(server.console_at_ready)
+    served = dict(re.findall(r"pool (\w+): \S+ as (\S+), ", console))  # pool -> served model name
+    engine_log = (server.work / "data" / "logs" / "serve.log").read_text()
+    first: dict[str, int] = {}  # served model name -> pid of the first core that initialized for it
+    for pid, name in re.findall(r"\(EngineCore pid=(\d+)\).*Initializing a V1 LLM engine.*?served_model_name=([^,]+),", engine_log):
+        first.setdefault(name, int(pid))
+    alive = {p.pid: p for p in psutil.Process(server.proc.pid).children(recursive=True) if "EngineCor" in p.name()}
+    assert set(served.values()) <= set(first) and len(alive) >= len(served), (served, first, alive)
+    return {pool: alive[first[name]] for pool, name in served.items() if first[name] in alive}
 
 
 def every_pool_ready(base: str) -> bool:
