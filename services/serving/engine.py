@@ -307,7 +307,7 @@ class InProcessBackend(VLLMEngine):
     @property
     def starts_alongside(self) -> bool:
         """Bound to CPU cores of its own, its start competes with no other engine's."""
-        return self.cpu_bind is not None
+        return self.cpu_bind not in (None, "nobind")
 
     async def start(self) -> None:
         self.stat_loggers = [engine_metrics().stat_logger(self.name)]  # its metrics kept apart from other engines'
