@@ -9,8 +9,8 @@ Under pytest-xdist (`make test` runs two workers: the suite leaves about half of
 start-ups, processes and sockets) a module is one unit of work, except the modules of UNITS: "shared" (those using the
 shared servers, or marked `shares("redis")`: the Redis every machine runs, db 0) runs in order on one worker, which
 starts the shared servers at its first test, and "ray" (marked `shares("ray")`: one Ray cluster at a time on two cores)
-on one worker too. They are handed out first, in UNITS's order. The scheduler sees test ids only, hence the table;
-collection checks it against the fixtures and markers."""
+on one worker too. They are handed out first, in UNITS's order, then the other modules, heaviest first. The scheduler
+sees test ids only, hence the table; collection checks it against the fixtures and markers."""
 
 from __future__ import annotations
 
@@ -190,6 +190,9 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid.split("::")[0].rsplit("/", 1)[-1])
 
+    # Units go out in the collection's order (pytest_collection_modifyitems: the heaviest first), not xdist's default
+    # of the most tests first, which left the few-test modules that start their own engines to the end of the run.
+    config.option.loadscopereorder = False
     return UnitScheduling(config, log)
 
 
@@ -208,13 +211,22 @@ def pytest_collection_modifyitems(config, items):
                                     f"belongs to {'unit ' + repr(unit) if unit != module else 'no unit'}")
     parallel = xdist_worker(config)
     rank = {unit: i for i, unit in enumerate(UNITS)}
+    # The other modules, heaviest first (most engine tests, then slow ones, then tests): the last ones handed out
+    # are then short, and neither worker waits long on the other at the end.
+    weight: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for item in items:
+        w = weight[item.path.name]
+        w[0] -= item.get_closest_marker("engine") is not None
+        w[1] -= item.get_closest_marker("slow") is not None
+        w[2] -= 1
 
     def order(item):
         mark = item.get_closest_marker("last")
         if mark is not None:
-            return (1, 0, mark.args[0] if mark.args else 0)
+            return (1, 0, (), mark.args[0] if mark.args else 0)
         if parallel:
-            return (0, rank.get(unit_of(item.path.name), len(rank)), 0)
-        return (0, unit_of(item.path.name) == "shared", 0)
+            unit = unit_of(item.path.name)
+            return (0, rank.get(unit, len(rank)), tuple(weight[item.path.name]) if unit not in rank else (), 0)
+        return (0, unit_of(item.path.name) == "shared", (), 0)
 
     items.sort(key=order)  # stable: the order within each group stays
