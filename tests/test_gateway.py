@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 from harness import HTTP_TIMEOUT, metric, scrape, wait_until
-from harness.engines import ENV_ONLY_KEY, KEY, PUBLIC, engine_cores
+from harness.engines import ENV_ONLY_KEY, KEY, PUBLIC, engine_cores, engine_log
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.serving.backend import GenerateRequest, SamplingOptions
@@ -60,12 +60,11 @@ def test_each_engine_computes_on_its_own_cores(platform):
     from swiftkv_core.hardware import parse_cpu_list
 
     serve = psutil.Process(platform.proc.pid)
-    work = platform.work
     log = "\n".join(platform.console_at_ready)
     # (EngineCore pid=N) ... VLLM_CPU_OMP_THREADS_BIND='0-1', ...: the value each engine core process started with, in the
-    # log file that takes the engines' logs (data_dir/logs/serve.log)
-    engine_log = (work / "data" / "logs" / "serve.log").read_text()
-    binds = {int(pid): value for pid, value in re.findall(r"\(EngineCore pid=(\d+)\).*VLLM_CPU_OMP_THREADS_BIND='([^']*)'", engine_log)}
+    # log file that takes the engines' logs
+    engines = engine_log(platform).read_text()
+    binds = {int(pid): value for pid, value in re.findall(r"\(EngineCore pid=(\d+)\).*VLLM_CPU_OMP_THREADS_BIND='([^']*)'", engines)}
     planned = re.findall(r"pool (swiftkv|base): cpu_cores auto -> ([\d,-]+) \(2 in-process engines", log)
     assert sorted(name for name, _ in planned) == ["base", "swiftkv"]
     allowed = set(serve.cpu_affinity())

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from harness import free_port
-from harness.engines import KEY
+from harness.engines import KEY, engine_log
 
 SWIFTKV = str(Path(sys.executable).parent / "swiftkv")
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,9 +191,9 @@ def test_sigterm_under_load_drains_and_stops_cleanly(platform):
     leaves no process or shared-memory segment behind."""
     import psutil
 
-    proc, base, work = platform.proc, platform.base, platform.work
+    proc, base = platform.proc, platform.base
     client = platform.client(KEY, timeout=120)
-    console_path, logfile_path = platform.log_path, work / "data" / "logs" / "serve.log"
+    console_path, logfile_path = platform.log_path, engine_log(platform)
     console_from, logfile_from = console_path.stat().st_size, logfile_path.stat().st_size  # an earlier test killed an engine
     children = descendants(proc.pid)
     assert sum("EngineCor" in p.name() for p in children) == 2

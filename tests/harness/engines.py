@@ -75,17 +75,22 @@ def platform_ready(server: Server) -> Server:
     return server
 
 
+def engine_log(server: Server) -> Path:
+    """The file that takes a platform's engine and library logs (its data_dir is `work/data`: platform_config)."""
+    return server.work / "data" / "logs" / "serve.log"
+
+
 def engine_cores(server: Server) -> dict:
     """The shared platform's engine core processes (psutil) by pool, as started (an engine restarted later is not
     among them). The pools start together, so each core is told apart by the served model name it logs as it
-    initializes (the engines' log, data_dir/logs/serve.log), matched to the pool the console says serves that name."""
+    initializes (`engine_log`), matched to the pool the console says serves that name."""
     import psutil
 
     console = "\n".join(server.console_at_ready)
     served = dict(re.findall(r"pool (\w+): \S+ as (\S+), ", console))  # pool -> served model name
-    engine_log = (server.work / "data" / "logs" / "serve.log").read_text()
     first: dict[str, int] = {}  # served model name -> pid of the first core that initialized for it
-    for pid, name in re.findall(r"\(EngineCore pid=(\d+)\).*Initializing a V1 LLM engine.*?served_model_name=([^,]+),", engine_log):
+    for pid, name in re.findall(r"\(EngineCore pid=(\d+)\).*Initializing a V1 LLM engine.*?served_model_name=([^,]+),",
+                                engine_log(server).read_text()):
         first.setdefault(name, int(pid))
     alive = {p.pid: p for p in psutil.Process(server.proc.pid).children(recursive=True) if "EngineCor" in p.name()}
     assert set(served.values()) <= set(first) and len(alive) >= len(served), (served, first, alive)
