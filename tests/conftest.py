@@ -85,6 +85,24 @@ def pg_url():
         yield url
 
 
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """Real held-out text for the load-test tools' workloads: 20 man pages as `swiftkv data prepare` writes them."""
+    from swiftkv_core import data
+
+    path = tmp_path_factory.mktemp("corpus") / data.MANPAGES_FILE
+    data.prepare_manpages(path, pages=20)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_base):
+    """The tiny checkpoints' tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_base)
+
+
 TRAIN_TEXT = (
     "SwiftKV computes the key value cache of the later layers from an earlier layer. "
     "The quick brown fox jumps over the lazy dog. The capital of France is Paris. "
@@ -170,7 +188,7 @@ def offline_engines():
 
 # Under xdist: the modules that run one after another on one worker, each unit handed out in this order.
 UNITS = {
-    "shared": ("test_batch.py", "test_bench_platform.py", "test_deploy_live.py", "test_gateway.py", "test_gateway_hostile.py",
+    "shared": ("test_batch.py", "test_bench_target.py", "test_deploy_live.py", "test_gateway.py", "test_gateway_hostile.py",
                "test_openai_compat.py", "test_quiet_start.py", "test_reliability.py", "test_remote_backend.py", "test_replicas.py",
                "test_workers.py"),
     "ray": ("test_serve_ray.py", "test_serve_ray_attach.py"),
