@@ -32,7 +32,7 @@ def bench_platform_command(
     swiftkv_model: Annotated[Path, typer.Option(help="SwiftKV model folder")] = Path("models/smollm2-135m-instruct-swiftkv"),
     text: Annotated[Path, typer.Option(help="Text the prompts are cut from (`swiftkv data prepare` output)")] = Path("data/mix/heldout.jsonl"),
     scale: Annotated[float, typer.Option(help="Multiply every prompt/output length target (e.g. 0.1 for tiny models)")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Workload seed (texts, lengths, arrivals)")] = 0,
+    seed: Annotated[int, typer.Option(help="Workload seed (texts, lengths, arrivals; each further rate and the warm-up draw from seeds derived from it)")] = 0,
     ttft_slo: Annotated[float, typer.Option(help="Goodput SLO: time to first token, seconds")] = 2.0,
     tpot_slo: Annotated[float, typer.Option(help="Goodput SLO: time per output token, seconds")] = 0.2,
     reference_rate: Annotated[float | None, typer.Option(help="Rate of the top-level figures and the TTFT CDF (default: the highest)")] = None,

@@ -24,7 +24,9 @@ in-process engines, same engine arguments and KV budget each), measured, and sto
 The traffic (loadtest.workloads) is sent with the official openai client (async, streaming, usage in the
 last chunk, ignore_eos so every request generates its full max_tokens) at each rate of a sweep; a later turn
 of a chat-multiturn conversation once the previous turn's answer has arrived, with the conversation so far (the
-answers as they came). Per config and rate: TTFT p50/p90/p99, TPOT p50/p99, inter-token latency, end-to-end latency, requests/s, prompt and
+answers as they came). Every configuration gets the same requests; each rate draws texts of its own (the run's seed,
+then loadtest.workloads.rate_seed), and so do the few warm-up requests sent before the first rate (warmup_seed):
+texts measured twice on one platform would be found in its prefix cache. Per config and rate: TTFT p50/p90/p99, TPOT p50/p99, inter-token latency, end-to-end latency, requests/s, prompt and
 output tokens/s, goodput (requests/s meeting both SLOs), errors, the share of requests each pool served
 (from the `x-swiftkv-route` header), and per pool what its engines' speculative decoding drafted and accepted
 (vLLM's counters on the server's /metrics, read before and after each rate: loadtest.speculation), and for
@@ -59,7 +61,7 @@ import yaml
 
 from loadtest import speculation as spec
 from loadtest.prefix_cache import prefix_cache
-from loadtest.workloads import WORKLOADS, Request, generate, summary
+from loadtest.workloads import WORKLOADS, Request, generate, rate_seed, summary, warmup_seed
 from services.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -456,6 +458,14 @@ async def drive(base: str, names: list[str], requests: list[Request], timeout: f
     return list(records), time.perf_counter() - t0 - first_send
 
 
+def draws(cfg: PlatformBenchConfig, rates: list[float], tokenizer) -> tuple[dict[float, int], dict[float, list[Request]], list[Request]]:
+    """Each rate's seed and requests, and the warm-up's requests: texts of their own for each (module docstring)."""
+    seeds = {r: rate_seed(cfg.seed, k) for k, r in enumerate(rates)}
+    workloads = {r: generate(cfg.workload, cfg.text, tokenizer, r, cfg.count, cfg.duration_s, seeds[r], cfg.scale) for r in rates}
+    warmup = generate(cfg.workload, cfg.text, tokenizer, rates[0], max(cfg.warmup_requests, 1), None, warmup_seed(cfg.seed), cfg.scale)
+    return seeds, workloads, warmup
+
+
 async def warm_up(base: str, names: list[str], requests: list[Request], n: int, timeout: float, api_key: str = "none") -> None:
     """A few requests to each model name in `names` (the pools pinned, then what the run asks for), not measured."""
     import openai
@@ -590,8 +600,9 @@ def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[d
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.base_model)
     rates = sorted(set(cfg.rates))
     reference = cfg.reference_rate if cfg.reference_rate is not None else rates[-1]
-    workloads = {r: generate(cfg.workload, cfg.text, tokenizer, r, cfg.count, cfg.duration_s, cfg.seed, cfg.scale) for r in rates}
+    seeds, workloads, warmup = draws(cfg, rates, tokenizer)
     report = {"workload": cfg.workload, "workload_summary": summary(workloads[reference]), "rates": rates,
+              "seeds": {str(r): seed for r, seed in seeds.items()}, "warmup_seed": warmup_seed(cfg.seed),
               "reference_rate": reference, "slo": {"ttft_s": cfg.ttft_slo_s, "tpot_s": cfg.tpot_slo_s},
               "engine_args": engine_args(cfg), "models": {"base": cfg.base_model, "swiftkv": cfg.swiftkv_model},
               "machine": machine(), "configs": {}}
@@ -609,7 +620,7 @@ def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[d
                 server, names = serve(name, cfg, Path(tmp), log), model_names(name)
                 warm = [f"{PUBLIC}-swiftkv", f"{PUBLIC}-base", *names]
             with server as base:
-                asyncio.run(warm_up(base, warm, workloads[rates[0]], cfg.warmup_requests, cfg.request_timeout_s, cfg.api_key))
+                asyncio.run(warm_up(base, warm, warmup, cfg.warmup_requests, cfg.request_timeout_s, cfg.api_key))
                 for rate in rates:
                     reqs = workloads[rate]
                     task = progress.add_task(f"{name} @ {rate:g} req/s", total=len(reqs))

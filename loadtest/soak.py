@@ -64,7 +64,7 @@ from loadtest.platform_bench import (
     started,
     warm_up,
 )
-from loadtest.workloads import WORKLOADS, WorkloadError, generate, summary
+from loadtest.workloads import WORKLOADS, WorkloadError, generate, summary, warmup_seed
 
 MIB = 1 << 20
 RATE_HELP = """Offered load, requests/s (Poisson arrivals). For "half the saturating rate": sweep the same
@@ -285,8 +285,7 @@ def run(cfg: PlatformBenchConfig, opts: SoakOptions, log: Callable[[str], None] 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.base_model)
     try:
         requests = generate(cfg.workload, cfg.text, tokenizer, opts.rate, cfg.count, opts.duration_s, cfg.seed, cfg.scale)
-        # warm-up texts of their own: a prompt already in the prefix cache would flatter the run
-        warm = generate(cfg.workload, cfg.text, tokenizer, opts.rate, max(opts.warmup, 1), None, cfg.seed + 1000, cfg.scale)
+        warm = generate(cfg.workload, cfg.text, tokenizer, opts.rate, max(opts.warmup, 1), None, warmup_seed(cfg.seed), cfg.scale)
     except WorkloadError as e:
         raise PlatformBenchError(str(e)) from e
     report: dict = {

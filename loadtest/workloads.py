@@ -135,6 +135,22 @@ def window(streams: dict[str, list[int]], n: int, rng: random.Random, tokenizer,
     return doc, doc_tokens
 
 
+# A request measured after another with the same text finds it in the engines' prefix cache and flatters the run, so
+# the warm-up and each further rate of a run draw texts of their own from seeds derived from the run's (generate uses a
+# seed and the next one).
+WARMUP_SEED_OFFSET = 1000
+RATE_SEED_STEP = 2000
+
+
+def warmup_seed(seed: int) -> int:
+    return seed + WARMUP_SEED_OFFSET
+
+
+def rate_seed(seed: int, k: int) -> int:
+    """The seed of a run's k-th rate (from 0, in ascending order): the first rate draws with the run's own seed."""
+    return seed + RATE_SEED_STEP * k
+
+
 def generate(workload: str, text_path: str | Path, tokenizer, rate: float, count: int, duration_s: float | None = None,
              seed: int = 0, scale: float = 1.0) -> list[Request]:
     """Up to `count` requests arriving as a Poisson process of `rate` requests/s, none later than `duration_s`.

@@ -74,6 +74,23 @@ def test_seed_reproduces_and_text_is_real(corpus, tokenizer):
 
 
 @needs_manpages
+@pytest.mark.parametrize("workload", ["rag", "chat-multiturn"])
+def test_each_rate_and_the_warmup_draw_texts_of_their_own(workload, corpus, tokenizer):
+    """A text sent twice on one platform is found in its prefix cache the second time: the warm-up requests and each
+    rate of a run carry documents no other part of the run sends; the first rate draws with the run's seed."""
+    from loadtest.platform_bench import PlatformBenchConfig, draws
+
+    cfg = PlatformBenchConfig(workload=workload, text=str(corpus), count=12, seed=3, scale=0.1, warmup_requests=2)
+    seeds, workloads, warmup = draws(cfg, [1.0, 2.0, 4.0], tokenizer)
+    assert seeds == {1.0: 3, 2.0: 2003, 4.0: 4003} and len(warmup) == 2
+    assert workloads[1.0] == generate(workload, corpus, tokenizer, rate=1.0, count=12, seed=3, scale=0.1)
+    parts = [warmup, *workloads.values()]
+    documents = [{r.document for r in part} for part in parts]
+    assert all(len(part) > 1 for part in documents)
+    assert all(not (documents[i] & documents[j]) for i in range(len(parts)) for j in range(i)), documents
+
+
+@needs_manpages
 @pytest.mark.parametrize("arrivals", ["constant", "poisson"])
 def test_fixed_lengths_are_exact(corpus, tokenizer, arrivals):
     reqs = fixed(corpus, tokenizer, rate=4.0, count=20, prompt_tokens=64, output_tokens=16, seed=3, arrivals=arrivals)
@@ -279,6 +296,7 @@ def test_platform_run_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
     assert report == json.loads(out.read_text())
     assert report["workload"] == "mixed" and set(report["configs"]) == {"routed-cache", "base"}
     assert report["machine"]["cpu_model"] and "cpu_flags" in report["machine"] and len(report["machine"]["load_average"]) == 3
+    assert report["seeds"] == {"2.0": 0, "4.0": 2000} and report["warmup_seed"] == 1000  # each rate and the warm-up: texts of their own
     for name, c in report["configs"].items():
         for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "throughput_tok_s", "goodput_rps"):
             assert isinstance(c[key], float) and c[key] > 0, (name, key, c[key])
