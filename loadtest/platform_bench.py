@@ -266,15 +266,16 @@ def started(name: str, cfg: PlatformBenchConfig, work: Path, log: Callable[[str]
     log(f"{name}: starting swiftkv serve on port {port} (log {log_path})")
     with swiftkv_serve(["--config", str(cfg_path), "--data-dir", str(work / f"{name}-data")], port, log_path,
                        cfg.ready_timeout_s, name) as running:
-        yield running
+        try:
+            yield running
+        except PlatformBenchError as e:  # the log goes with the run's temporary folder: its end goes with the error
+            raise PlatformBenchError(f"{e}\n--- the end of {name}'s swiftkv serve log:\n{log_path.read_text()[-3000:]}") from None
 
 
 @contextmanager
 def swiftkv_serve(args: list[str], port: int, log_path: Path, ready_timeout_s: float, name: str = "swiftkv serve"):
-    """`swiftkv serve --engine inprocess --port PORT ARGS`, output to LOG_PATH, yielding (base URL, process) once /ready
-    answers 200. The process leads its own process group, which is stopped as a whole after (also on Ctrl-C)."""
-    import httpx
-
+    """`swiftkv serve --engine inprocess --port PORT ARGS`, output to LOG_PATH, yielding (base URL, process) once every
+    pool is ready. The process leads its own process group, which is stopped as a whole after (also on Ctrl-C)."""
     swiftkv = Path(sys.executable).parent / "swiftkv"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWIFTKV_API_KEYS")}
     with open(log_path, "w") as out:
@@ -282,21 +283,35 @@ def swiftkv_serve(args: list[str], port: int, log_path: Path, ready_timeout_s: f
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + ready_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise PlatformBenchError(f"{name}: swiftkv serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise PlatformBenchError(f"{name}: not ready after {ready_timeout_s:.0f} s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(1)
+        wait_for_every_pool(base, ready_timeout_s, name, proc, log_path)
         yield base, proc
     finally:
         stop_tree(proc)
+
+
+def wait_for_every_pool(base: str, timeout_s: float, name: str, proc: subprocess.Popen | None = None, log_path: Path | None = None,
+                        every_s: float = 1.0) -> None:
+    """Until the gateway at BASE has every pool ready: its /ready answers 200 as soon as one pool serves (the other's
+    traffic goes there meanwhile), and the run's traffic, the warm-up pinned to each pool first, needs them all. Fails
+    with the end of LOG_PATH when PROC exits first or TIMEOUT_S passes."""
+    import httpx
+
+    def logged() -> str:
+        return log_path.read_text()[-3000:] if log_path is not None else ""
+
+    deadline = time.time() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise PlatformBenchError(f"{name}: swiftkv serve exited with {proc.returncode}:\n{logged()}")
+        try:
+            r = httpx.get(f"{base}/ready", timeout=2)
+            if r.status_code == 200 and all(r.json()["pools"].values()):
+                return
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        if time.time() > deadline:
+            raise PlatformBenchError(f"{name}: not every pool ready after {timeout_s:.0f} s:\n{logged()}")
+        time.sleep(every_s)
 
 
 def stop_tree(proc: subprocess.Popen, grace_s: float = 60) -> None:
@@ -404,8 +419,16 @@ async def one_request(client, req: Request, model: str, t0: float, timeout: floa
         elif rec.finish_reason is None:  # cut short: the server closed it without finishing the choice
             rec.error = "the stream ended without a finish_reason"
     except Exception as e:  # a failed request is a figure of the run, not the end of it
-        rec.error = f"{type(e).__name__}: {str(e)[:200]}"
+        rec.error = error_text(e)
     return rec
+
+
+def error_text(e: BaseException) -> str:
+    """The exception and what raised it: the openai client's "Connection error." says nothing of which one (a refused
+    connection, one the server closed before answering, a read that timed out)."""
+    text = f"{type(e).__name__}: {str(e)[:200]}"
+    cause = e.__cause__ or e.__context__
+    return text if cause is None else f"{text} ({type(cause).__name__}: {str(cause)[:200]})"
 
 
 async def drive(base: str, names: list[str], requests: list[Request], timeout: float, on_done: Callable[[Record], None],

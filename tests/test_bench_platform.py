@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from harness.loadtest import ROOT, needs_manpages, soak, soak_command
 from harness.loadtest import bench_platform as swiftkv
@@ -257,6 +258,51 @@ def test_chat_multiturn_closed_loop_through_the_gateway(tiny_base, corpus, token
         assert {r.error for r in records if r.turn > 2} == {"not sent: turn 2 of its conversation failed"}
         assert sum(len(b.requests) for b in server.served.backends.values()) - n_before == 4
     assert "ttft_p50_first_turn_s" not in figures(records[:0], 1.0, 1.0, PlatformBenchConfig())
+
+
+def test_a_failed_request_says_what_failed_beneath_the_client(corpus, tokenizer):
+    """A request the server never answered is an error of the run, named with what the openai client wraps: its
+    "Connection error." alone does not tell a refused connection from one closed before the answer."""
+    import asyncio
+
+    import openai
+    from harness import free_port
+
+    from loadtest.platform_bench import one_request
+
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="none", max_retries=0)
+    (req,) = fixed(corpus, tokenizer, 1.0, 1, 16, 4, 0, "constant")
+    rec = asyncio.run(one_request(client, req, "m", 0.0, 10))
+    assert rec.error.startswith("APIConnectionError: Connection error. (ConnectError: "), rec.error
+    assert rec.ttft_s is None
+
+
+def test_the_traffic_waits_for_every_pool(tiny_base, tmp_path):
+    """The gateway's /ready answers 200 once one pool serves; the tool starts its traffic (the warm-up pinned to each
+    pool first) only once its body shows every pool ready, and says which timed out otherwise."""
+    import threading
+
+    from harness import served_gateway
+
+    from loadtest.platform_bench import PlatformBenchError, wait_for_every_pool
+
+    with served_gateway(tiny_base, tmp_path, batch=False) as server:
+        lifecycle, backend = server.served.gateway.lifecycle, server.served.backends["swiftkv"]
+        backend.up = False  # its health check fails: the pool stays down
+        lifecycle.set_ready(lifecycle.pools["swiftkv"], False)
+        r = httpx.get(f"{server.base}/ready")
+        assert r.status_code == 200 and r.json()["pools"] == {"swiftkv": False, "base": True}
+        with pytest.raises(PlatformBenchError, match="routed: not every pool ready after 1 s"):
+            wait_for_every_pool(server.base, 1, "routed", every_s=0.1)
+
+        waited = threading.Thread(target=wait_for_every_pool, args=(server.base, 60, "routed"), kwargs={"every_s": 0.1})
+        waited.start()
+        time.sleep(0.5)
+        assert waited.is_alive()
+        backend.up = True
+        lifecycle.set_ready(lifecycle.pools["swiftkv"], True)
+        waited.join(10)
+        assert not waited.is_alive()
 
 
 @pytest.mark.slow
