@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -650,3 +651,25 @@ def test_spec_configurations_are_refused_where_swiftkv_serve_would_refuse_them(t
         suffix = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift), configs=["base-spec"], spec_method="suffix")
         refusals = speculation_refusals(suffix, on_cpu=True)
         assert len(refusals) == 2 and all("arctic_inference package is not installed" in r for r in refusals)
+
+
+def test_sweep_plot_draws_every_configuration_of_several_reports(tmp_path):
+    """scripts/sweep_plot.py: the points of several reports of one workload in one PNG; reports of different workloads
+    are refused."""
+    def report(workload: str, configs: dict) -> Path:
+        rates = {name: {str(r): {"ttft_p50_s": 0.5 * r, "ttft_p99_s": r, "throughput_tok_s": 100.0 * r} for r in rs}
+                 for name, rs in configs.items()}
+        path = tmp_path / f"{workload}-{'-'.join(configs)}.json"
+        path.write_text(json.dumps({"workload": workload, "machine": {"cpu_summary": "AMD EPYC; vector flags: avx2"},
+                                    "configs": {name: {"rates": r} for name, r in rates.items()}}))
+        return path
+
+    a, b = report("chat-multiturn", {"routed": [1.0, 2.0], "routed-cache": [1.0, 2.0]}), report("chat-multiturn", {"routed": [0.5]})
+    out = tmp_path / "sweep.png"
+    run = lambda *paths: subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep_plot.py"), *map(str, paths), "--out", str(out)],  # noqa: E731
+                                        capture_output=True, text=True, timeout=120)
+    r = run(a, b)
+    assert r.returncode == 0, r.stderr
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = run(a, report("rag", {"base": [1.0]}))
+    assert r.returncode != 0 and "different workloads" in r.stderr
