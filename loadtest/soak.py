@@ -54,6 +54,7 @@ from loadtest.platform_bench import (
     PlatformBenchConfig,
     PlatformBenchError,
     Record,
+    draws,
     drive,
     engine_args,
     existing,
@@ -64,7 +65,7 @@ from loadtest.platform_bench import (
     started,
     warm_up,
 )
-from loadtest.workloads import WORKLOADS, WorkloadError, generate, summary, warmup_seed
+from loadtest.workloads import WORKLOADS, WorkloadError, summary
 
 MIB = 1 << 20
 RATE_HELP = """Offered load, requests/s (Poisson arrivals). For "half the saturating rate": sweep the same
@@ -277,15 +278,15 @@ def platform(cfg: PlatformBenchConfig, opts: SoakOptions, work: Path, log: Calla
 
 def run(cfg: PlatformBenchConfig, opts: SoakOptions, log: Callable[[str], None] = print) -> dict:
     opts.check(cfg.target)
-    cfg.rates, cfg.duration_s = [opts.rate], opts.duration_s
+    cfg.rates, cfg.duration_s, cfg.warmup_requests = [opts.rate], opts.duration_s, opts.warmup
     cfg.count = int(opts.rate * opts.duration_s * 2) + 100  # the duration bounds the arrivals, not the count
     cfg.check()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.base_model)
     try:
-        requests = generate(cfg.workload, cfg.text, tokenizer, opts.rate, cfg.count, opts.duration_s, cfg.seed, cfg.scale)
-        warm = generate(cfg.workload, cfg.text, tokenizer, opts.rate, max(opts.warmup, 1), None, warmup_seed(cfg.seed), cfg.scale)
+        _, workloads, warm = draws(cfg, cfg.rates, tokenizer)  # the bench's requests and warm-up, at one rate
+        requests = workloads[opts.rate]
     except WorkloadError as e:
         raise PlatformBenchError(str(e)) from e
     report: dict = {

@@ -11,17 +11,19 @@ import json
 from pathlib import Path
 
 
-def series(paths: list[Path]) -> tuple[str, dict[str, list[tuple[float, dict]]]]:
-    """-> the workload, and per configuration its (rate, figures) points from every report, by rate."""
-    workloads, points = set(), {}
+def series(paths: list[Path]) -> tuple[str, str, dict[str, list[tuple[float, dict]]]]:
+    """-> the workload, the first report's CPU, and per configuration its (rate, figures) points from every report, by
+    rate."""
+    workloads, machine, points = set(), None, {}
     for path in paths:
         report = json.loads(path.read_text())
         workloads.add(report["workload"])
+        machine = machine or report["machine"]["cpu_summary"].split(";")[0]
         for name, config in report["configs"].items():
             points.setdefault(name, []).extend((float(rate), f) for rate, f in config["rates"].items())
     if len(workloads) != 1:
         raise SystemExit(f"the reports are of different workloads: {sorted(workloads)}")
-    return workloads.pop(), {name: sorted(p, key=lambda x: x[0]) for name, p in points.items()}
+    return workloads.pop(), machine, {name: sorted(p, key=lambda x: x[0]) for name, p in points.items()}
 
 
 def main() -> None:
@@ -29,8 +31,7 @@ def main() -> None:
     p.add_argument("reports", nargs="+", type=Path)
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args()
-    workload, points = series(a.reports)
-    machine = json.loads(a.reports[0].read_text())["machine"]["cpu_summary"].split(";")[0]
+    workload, machine, points = series(a.reports)
 
     import matplotlib
 
