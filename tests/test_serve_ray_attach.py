@@ -34,6 +34,10 @@ class RayHead:
     """A one-node Ray cluster of this test's own (own ports and temp dir), ended by its process group."""
 
     def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.start()
+
+    def start(self) -> None:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="skvray", dir="/tmp"))  # short: Ray's socket paths are limited
         self.gcs_port, self.client_port = free_port(), free_port()
         ports = {f"--{name}": free_port() for name in ("node-manager-port", "object-manager-port", "metrics-export-port",
@@ -42,7 +46,7 @@ class RayHead:
         # a loopback cluster of this test's own: no auth, and no 30 s drain on SIGTERM (nothing routes to it after the test)
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "deploy" / "ray"), str(ROOT)]), "RAY_USAGE_STATS_ENABLED": "0",
                     "RAY_AUTH_MODE": "disabled", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-        self.log = open(tmp / "ray.log", "w")
+        self.log = open(self.tmp / "ray.log", "a")
         self.proc = subprocess.Popen(
             [str(BIN / "ray"), "start", "--head", "--block", "--port", str(self.gcs_port), "--ray-client-server-port", str(self.client_port),
              "--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard", "false", "--disable-usage-stats",
@@ -53,11 +57,22 @@ class RayHead:
     def address(self) -> str:
         return f"127.0.0.1:{self.gcs_port}"
 
-    def wait_up(self, timeout: float = 120) -> None:
-        deadline = time.time() + timeout
-        while subprocess.run([str(BIN / "ray"), "status", "--address", self.address], capture_output=True, env=self.env).returncode != 0:
-            assert self.proc.poll() is None and time.time() < deadline, Path(self.log.name).read_text()[-3000:]
-            time.sleep(2)
+    def wait_up(self, timeout: float = 120, tries: int = 3) -> None:
+        """Until `ray start` says the runtime started: its GCS answers before the node has registered, and `ray start`
+        gives up when the raylet takes over 30 s to register (Ray's fixed limit), which happens on two cores busy
+        with another worker's engines; then a fresh head is started, up to `tries` in all."""
+        log = Path(self.log.name)
+        for attempt in range(1, tries + 1):
+            deadline = time.time() + timeout
+            while "Ray runtime started" not in log.read_text():
+                if self.proc.poll() is not None or time.time() > deadline:
+                    break
+                time.sleep(1)
+            else:
+                return
+            assert attempt < tries, log.read_text()[-3000:]
+            self.stop()
+            self.start()
 
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError):
