@@ -159,6 +159,8 @@ def run(cfg: PlatformBenchConfig, config: str, model: str, profile: str, rate: f
             log("guidellm: " + " ".join(cmd[1:]))
             theirs = guidellm_figures(run_guidellm(cmd, Path(tmp), cfg.request_timeout_s + count / rate))
             log(f"guidellm: {json.dumps({k: theirs[k] for k in COMPARED})}")
+            if theirs["requests"] != count:
+                log(f"guidellm recorded {theirs['requests']} of its {count} requests: the two sides differ in count")
     report["ours"], report["guidellm"] = ours, theirs
     report["ratios_ours_over_guidellm"] = {k: ratio(ours[k], theirs[k]) for k in COMPARED}
     report["within_10_percent"] = all(r is not None and abs(r - 1) <= 0.10 for r in report["ratios_ours_over_guidellm"].values())
