@@ -261,6 +261,29 @@ def test_chat_multiturn_closed_loop_through_the_gateway(tiny_base, corpus, token
     assert "ttft_p50_first_turn_s" not in figures(records[:0], 1.0, 1.0, PlatformBenchConfig())
 
 
+@needs_manpages
+def test_pinned_configurations_send_each_pool_half_the_requests(tiny_base, corpus, tokenizer, tmp_path):
+    """base and swiftkv (both pools on one model) ask for each pool by its own name in turn; the gateway's route
+    header then says `pinned`, and the figures split the traffic evenly. Through the real gateway over the fake
+    backend; routed configurations ask for the public name."""
+    import asyncio
+
+    from harness import served_gateway
+
+    from loadtest.platform_bench import PUBLIC, PlatformBenchConfig, drive, figures, model_names
+
+    assert model_names("routed-cache") == model_names("routed") == [PUBLIC]
+    names = model_names("base")
+    assert names == model_names("swiftkv") == [f"{PUBLIC}-swiftkv", f"{PUBLIC}-base"]
+    reqs = generate("mixed", corpus, tokenizer, rate=50.0, count=8, seed=3, scale=0.1)
+    with served_gateway(tiny_base, tmp_path, batch=False, model=PUBLIC) as server:
+        records, span = asyncio.run(drive(server.base, names, reqs, 60, lambda rec: None))
+        served = {name: len(backend.requests) for name, backend in server.served.backends.items()}
+    f = figures(records, span, 50.0, PlatformBenchConfig())
+    assert f["completed"] == 8 and served == {"swiftkv": 4, "base": 4}
+    assert f["pool_share"] == {"base": 0.5, "swiftkv": 0.5} and f["route_reasons"] == {"pinned": 8}
+
+
 def test_a_failed_request_says_what_failed_beneath_the_client(corpus, tokenizer):
     """A request the server never answered is an error of the run, named with what the openai client wraps: its
     "Connection error." alone does not tell a refused connection from one closed before the answer."""
@@ -331,17 +354,17 @@ def test_cli_refuses_bad_options(tiny_base, tmp_path):
 @pytest.mark.engine
 def test_platform_run_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
     out = tmp_path / "report.json"
-    # routed-cache and base (each its own `swiftkv serve` of two engines): routed and swiftkv differ from them only in
-    # the routing settings or the model of one pool (tests/test_bench_platform.py::test_spec_configurations_speculate_on_every_pool
-    # builds every config)
-    r = swiftkv("--workload", "mixed", "--rate", "2", "--rate", "4", "--count", "8", "--scale", "0.1", "--configs", "routed-cache,base",
+    # routed-cache, its own `swiftkv serve` of two engines: the others differ from it only in the routing settings or
+    # the models of the pools (::test_spec_configurations_speculate_on_every_pool builds every config), and the
+    # pool-pinned traffic of base and swiftkv is ::test_pinned_configurations_send_each_pool_half_the_requests
+    r = swiftkv("--workload", "mixed", "--rate", "2", "--rate", "4", "--count", "8", "--scale", "0.1", "--configs", "routed-cache",
                 "--base-model", str(tiny_base), "--swiftkv-model", str(tiny_swiftkv), "--text", str(corpus),
                 "--max-model-len", "512", "--kv-cache-mib", "32", "--dtype", "float32", "--ttft-slo", "5", "--tpot-slo", "1",
                 "--out", str(out), "--json", "--no-progress", "--quiet-load", "1000")
     assert r.returncode == 0, r.stderr[-4000:]
     report = json.loads(r.stdout)
     assert report == json.loads(out.read_text())
-    assert report["workload"] == "mixed" and set(report["configs"]) == {"routed-cache", "base"}
+    assert report["workload"] == "mixed" and set(report["configs"]) == {"routed-cache"}
     assert report["machine"]["cpu_model"] and "cpu_flags" in report["machine"] and len(report["machine"]["load_average"]) == 3
     assert report["seeds"] == {"2.0": 0, "4.0": 2000} and report["warmup_seed"] == 1000  # each rate and the warm-up: texts of their own
     for name, c in report["configs"].items():
@@ -353,14 +376,12 @@ def test_platform_run_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
             assert f["completed"] == f["requests"] == 8 and f["prompt_tok_s"] > 0 and f["output_tok_s"] > 0
             assert f["itl_p50_s"] is not None and f["e2e_p50_s"] >= f["ttft_p50_s"]
     # routed-cache: the ratio sends rag to the SwiftKV pool and the rest to the base pool, unless the load or the
-    # prefix cache says otherwise; the others alternate
+    # prefix cache says otherwise
     routed = report["configs"]["routed-cache"]["rates"]["4.0"]
     assert set(routed["pool_share"]) <= {"swiftkv", "base"} and routed["pool_share"].get("swiftkv", 0) > 0
     assert set(routed["route_reasons"]) <= {"ratio", "backlog", "prefix"} and routed["route_reasons"].get("ratio", 0) > 0
     # each pool's prefix-cache lookups, from vLLM's counters, beside what the gateway's index predicted
     assert routed["prefix_cache"]["swiftkv"]["queries"] > 0 and routed["prefix_cache"]["swiftkv"]["predicted_hit_rate"] is not None
-    f = report["configs"]["base"]["rates"]["4.0"]
-    assert f["pool_share"] == {"base": 0.5, "swiftkv": 0.5} and f["route_reasons"] == {"pinned": 8}
     for png in report["plots"]:
         assert Path(png).stat().st_size > 10_000 and Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
