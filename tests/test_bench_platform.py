@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from harness.loadtest import ROOT, needs_manpages, soak, soak_command
+from harness.loadtest import ROOT, is_plot, needs_manpages, soak, soak_command
 from harness.loadtest import bench_platform as swiftkv
 from harness.processes import tool_env
 
@@ -383,7 +383,7 @@ def test_platform_run_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
     # each pool's prefix-cache lookups, from vLLM's counters, beside what the gateway's index predicted
     assert routed["prefix_cache"]["swiftkv"]["queries"] > 0 and routed["prefix_cache"]["swiftkv"]["predicted_hit_rate"] is not None
     for png in report["plots"]:
-        assert Path(png).stat().st_size > 10_000 and Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert is_plot(Path(png))
 
 
 def test_each_configuration_can_wait_for_a_quiet_machine():
@@ -691,6 +691,6 @@ def test_sweep_plot_draws_every_configuration_of_several_reports(tmp_path):
                                         capture_output=True, text=True, timeout=120)
     r = run(a, b)
     assert r.returncode == 0, r.stderr
-    assert out.stat().st_size > 10_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert is_plot(out)
     r = run(a, report("rag", {"base": [1.0]}))
     assert r.returncode != 0 and "different workloads" in r.stderr

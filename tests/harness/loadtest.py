@@ -35,3 +35,8 @@ def soak_command(*args: str) -> list[str]:
 def soak(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """`python -m loadtest.soak ARGS`, run to its end."""
     return subprocess.run(soak_command(*args), capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=tool_env())
+
+
+def is_plot(path: Path) -> bool:
+    """A PNG the tools drew: its signature, and more than an empty canvas's bytes."""
+    return path.stat().st_size > 10_000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
