@@ -60,7 +60,7 @@ from typing import Callable
 import yaml
 
 from loadtest import speculation as spec
-from loadtest.prefix_cache import prefix_cache
+from loadtest.prefix_cache import prefix_cache, ttft_predictions
 from loadtest.workloads import WORKLOADS, Request, generate, rate_seed, summary, warmup_seed
 from services.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN
 
@@ -582,6 +582,7 @@ def config_summary(per_rate: dict[float, dict], reference_rate: float) -> dict:
             "throughput_tok_s": per_rate[at]["throughput_tok_s"], "throughput_rate": at,
             "highest_sustained_rate": sustained[-1] if sustained else None, "pool_share": ref["pool_share"],
             "speculation": ref.get("speculation", {}), "prefix_cache": ref.get("prefix_cache", {}),
+            "ttft_predicted": ref.get("ttft_predicted", {}),
             "rates": {str(r): {k: v for k, v in f.items() if k != "ttft_all_s"} for r, f in sorted(per_rate.items())}}
 
 
@@ -654,6 +655,7 @@ def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[d
                     after = spec.scrape(base, cfg.api_key)
                     drafted = spec.speculation(before, after)
                     per_rate[rate]["prefix_cache"] = prefix_cache(before, after, None if cfg.target is not None else PUBLIC)
+                    per_rate[rate]["ttft_predicted"] = ttft_predictions(before, after)
                     # our own configurations' engines are named <public>-<pool>: keyed by pool, as pool_share is
                     per_rate[rate]["speculation"] = drafted if cfg.target is not None else {
                         m.removeprefix(f"{PUBLIC}-"): v for m, v in drafted.items()}
@@ -665,7 +667,9 @@ def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[d
                         + (", draft acceptance {}, mean accepted length {}".format(*spec.cells(per_rate[rate]["speculation"]))
                            if any(v["speculative"] for v in drafted.values()) else "")
                         + "".join(f", {pool} prefix-cache hits {c['hit_rate']} (gateway predicted {c['predicted_hit_rate']})"
-                                  for pool, c in per_rate[rate]["prefix_cache"].items() if c["queries"]))
+                                  for pool, c in per_rate[rate]["prefix_cache"].items() if c["queries"])
+                        + "".join(f", {pool} TTFT mean {t['measured_mean_s']} s (gateway predicted {t['predicted_mean_s']})"
+                                  for pool, t in per_rate[rate]["ttft_predicted"].items()))
                     silent = [p for p in ("swiftkv", "base") if not per_rate[rate]["speculation"].get(p, {}).get("speculative")]
                     if name in SPECULATING and silent:  # its figures would read as "did not speculate"
                         log(f"{name} @ {rate:g} req/s: warning: /metrics shows no speculative decoding for pool(s) "

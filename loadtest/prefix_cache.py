@@ -2,7 +2,9 @@
 vLLM's `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` (prompt tokens looked up / found cached, per engine
 model name: one per pool, `<public>-<pool>`), and the gateway's `swiftkv_route_prefix_cached_tokens` (prompt tokens its
 prefix index expected cached on the pool it chose, cache-aware routing) over `swiftkv_prompt_tokens` (per pool).
-The two hit rates side by side show how well the index predicts the engines' own hits.
+The two hit rates side by side show how well the index predicts the engines' own hits. Beside them, the time to first
+token the gateway predicted for each pool it chose (`swiftkv_route_predicted_ttft_seconds`) and the one it measured
+(`swiftkv_time_to_first_token_seconds`): how well routing's cost model predicts the engines' speed.
 """
 
 from __future__ import annotations
@@ -51,3 +53,34 @@ def prefix_cache(before: str | None, after: str | None, public: str | None = Non
                    "predicted_cached": round(c.get("predicted_cached", 0)),
                    "predicted_hit_rate": ratio(c.get("predicted_cached", 0), c.get("prompt_tokens", 0))}
             for pool, c in sorted(pools.items())}
+
+
+TTFT = {"swiftkv_route_predicted_ttft_seconds": "predicted", "swiftkv_time_to_first_token_seconds": "measured"}
+
+
+def ttft_predictions(before: str | None, after: str | None) -> dict[str, dict]:
+    """Per gateway pool: the mean time to first token the gateway predicted and the mean it measured (seconds, over the
+    requests between the two scrapes), and their count; means None where nothing was counted."""
+    def sums(text: str | None) -> dict[tuple[str, str, str], float]:
+        out: dict[tuple[str, str, str], float] = {}
+        for family in text_string_to_metric_families(text or ""):
+            for s in family.samples:
+                for name, kind in TTFT.items():
+                    for part in ("sum", "count"):
+                        if s.name == f"{name}_{part}" and "pool" in s.labels:
+                            key = (s.labels["pool"], kind, part)
+                            out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    start, end = sums(before), sums(after)
+    delta = {k: v - start.get(k, 0.0) for k, v in end.items()}
+    out: dict[str, dict] = {}
+    for pool in sorted({k[0] for k in delta}):
+        row: dict[str, float | int | None] = {}
+        for kind in TTFT.values():
+            n = delta.get((pool, kind, "count"), 0.0)
+            row[f"{kind}_mean_s"] = round(delta.get((pool, kind, "sum"), 0.0) / n, 4) if n > 0 else None
+            row[f"{kind}_count"] = round(n)
+        if row["measured_count"] or row["predicted_count"]:
+            out[pool] = row
+    return out

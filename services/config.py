@@ -219,7 +219,7 @@ class RoutingConfig(StrictModel):
     ratio_threshold: float = Field(4.0, gt=0, description="prompt/output >= threshold -> swiftkv pool")
     default_output_estimate: int = Field(256, ge=1, description="expected output before any request without max_tokens has finished")
     balance: bool = Field(True, description="send a request to the other pool when the ratio's pool holds more predicted work "
-                          "(prompt tokens not yet prefilled + decode_token_cost * expected output tokens of the requests in "
+                          "(prompt tokens not yet prefilled and not found cached + decode_token_cost * expected output tokens of the requests in "
                           "flight there, and this one's) by more than balance_margin_tokens (route reason `backlog`); off: "
                           "the ratio alone decides while both pools are up")
     decode_token_cost: float = Field(4.0, gt=0, description="the work of one output token in prompt tokens' prefill work: on "

@@ -510,6 +510,31 @@ def test_prefix_cache_hits_and_the_gateways_prediction_from_two_scrapes():
     assert "swiftkv-bench-swiftkv" in prefix_cache(before, after)  # a target: engine names as they are
 
 
+def test_the_gateways_predicted_ttft_beside_the_measured_one_from_two_scrapes(tiny_base, corpus, tokenizer, tmp_path):
+    """Per pool over the run: the mean time to first token the gateway predicted for each request it sent there and
+    the mean it measured, read from the real gateway's /metrics before and after (over the fake backend, which
+    answers each token 20 ms apart)."""
+    import asyncio
+
+    from harness import served_gateway
+
+    from loadtest.platform_bench import PUBLIC, drive
+    from loadtest.prefix_cache import ttft_predictions
+
+    reqs = generate("mixed", corpus, tokenizer, rate=50.0, count=8, seed=4, scale=0.1)
+    with served_gateway(tiny_base, tmp_path, fake={"delay": 0.02}, batch=False, model=PUBLIC) as server:
+        before = httpx.get(f"{server.base}/metrics").text
+        asyncio.run(drive(server.base, [PUBLIC], reqs, 60, lambda rec: None))
+        after = httpx.get(f"{server.base}/metrics").text
+        served = {name: len(backend.requests) for name, backend in server.served.backends.items() if backend.requests}
+    got = ttft_predictions(before, after)
+    assert {pool: row["measured_count"] for pool, row in got.items()} == served
+    for row in got.values():
+        assert row["predicted_count"] == row["measured_count"]
+        assert row["predicted_mean_s"] > 0 and row["measured_mean_s"] >= 0.02
+    assert ttft_predictions(after, after) == {}
+
+
 @pytest.mark.slow
 def test_soak_refuses_bad_options(tiny_base):
     models = ("--base-model", str(tiny_base), "--swiftkv-model", str(tiny_base))

@@ -86,13 +86,16 @@ class Dispatcher:
         m = metrics.for_pool(pool.name, model, source)
         m.in_flight.inc()
         m.prompt_tokens.inc(prompt_tokens)
-        self.note_prefix(pool, prompt_tokens, blocks)
+        prefill_tokens = prompt_tokens - self.note_prefix(pool, prompt_tokens, blocks)
+        # set beside the measured TTFT (swiftkv_time_to_first_token_seconds): a wrong cost model shows up there
+        metrics.predicted_ttft.labels(pool.name).observe(pool.ttft_seconds(prefill_tokens))
         expected_output = admitted.expected_output * max(request.sampling.n, 1)
-        pool.dispatched(prompt_tokens, expected_output)
+        pool.dispatched(prefill_tokens, expected_output)
         live = source == "live"
         if live:  # batch work yields to live traffic on this pool until it has been quiet a while (services/batch)
             pool.live_started()
         first_at = None
+        queue_seconds = None
         generated = 0
         # the answer's token ids (one choice, a backend that reports them): vLLM caches the blocks they fill too
         answer_ids: list[int] | None = [] if self.policy.index is not None and request.sampling.n == 1 else None
@@ -102,13 +105,14 @@ class Dispatcher:
                 async for out in stream:
                     if answer_ids is not None:
                         answer_ids = collect_token_ids(answer_ids, out)
+                    if out.queue_seconds is not None:
+                        queue_seconds = out.queue_seconds
+                        m.queue.observe(queue_seconds)
                     n = sum(c.num_tokens for c in out.choices)
                     if first_at is None and n:
                         first_at = time.perf_counter()
-                        pool.first_token(prompt_tokens, first_at - t0)
+                        pool.first_token(prefill_tokens, first_at - t0, queue_seconds)
                         m.ttft.observe(first_at - t0)
-                    if out.queue_seconds is not None:
-                        m.queue.observe(out.queue_seconds)
                     generated += n
                     yield out
             status = "ok"
@@ -128,7 +132,7 @@ class Dispatcher:
             if live:
                 pool.live_ended()
             if first_at is None:
-                pool.first_token(prompt_tokens, 0.0)
+                pool.first_token(prefill_tokens, 0.0)
             pool.ended(expected_output)
             m.in_flight.dec()
             m.requests[status].inc()
@@ -142,17 +146,17 @@ class Dispatcher:
             if admitted.reserved is not None:  # charge what was generated, beyond the reservation too
                 self.settle_later(admitted.identity, admitted.reserved, generated)
 
-    def note_prefix(self, pool: PoolState, prompt_tokens: int, blocks: Sequence[bytes]) -> None:
-        """Cache-aware routing: what the pool should find cached of this prompt and the time to first token that
-        predicts (metrics, to check the index against vLLM's own prefix-cache hits and the measured TTFT), then the
-        prompt's blocks as the pool's most recently used: vLLM caches them as it prefills."""
+    def note_prefix(self, pool: PoolState, prompt_tokens: int, blocks: Sequence[bytes]) -> int:
+        """Cache-aware routing: the prompt tokens the pool should find cached (returned; counted in the metrics, to check
+        the index against vLLM's own prefix-cache hits), then the prompt's blocks as the pool's most recently used:
+        vLLM caches them as it prefills. 0 without an index."""
         index = self.policy.index
         if index is None:
-            return
+            return 0
         cached = self.policy.cached_tokens(pool.name, prompt_tokens, blocks)
         metrics.prefix_cached_tokens.labels(pool.name).inc(cached)
-        metrics.predicted_ttft.labels(pool.name).observe(self.policy.predicted_ttft(pool, prompt_tokens, cached))
         index.record(pool.name, blocks)
+        return cached
 
     def note_answer(self, pool: PoolState, prompt_token_ids: Sequence[int], blocks: Sequence[bytes], answer_ids: Sequence[int]) -> None:
         """The blocks that prompt and answer filled, as vLLM caches them: every token but the last sampled one has

@@ -37,12 +37,12 @@ rate_limits_shared = Gauge("swiftkv_rate_limits_shared", "1 when per-key rate li
 pool_ready = Gauge("swiftkv_pool_ready", "1 when the pool is warmed up and healthy", ("pool",))
 pool_backlog = Gauge("swiftkv_pool_backlog_tokens", "Prompt tokens dispatched to the pool and not yet prefilled", ("pool",))
 pool_prefill_rate = Gauge("swiftkv_pool_prefill_rate_tokens_per_second", "Measured prefill rate (moving average)", ("pool",))
-# cache-aware routing (routing.cache_aware): the gateway's predictions, to set beside vLLM's prefix-cache hits and the
-# measured swiftkv_time_to_first_token_seconds
+# the gateway's predictions, to set beside vLLM's prefix-cache hits (cache-aware routing) and the measured
+# swiftkv_time_to_first_token_seconds
 prefix_cached_tokens = Counter("swiftkv_route_prefix_cached_tokens", "Prompt tokens the gateway predicted cached in the prefix cache of the pool it sent them to", ("pool",))
 kv_cache_events = Counter("swiftkv_kv_cache_events_blocks", "Blocks named in the KV-cache events a pool's engines published "
                           "(routing.kv_events): stored, removed; cleared counts whole-cache clears", ("pool", "event"))
-predicted_ttft = Histogram("swiftkv_route_predicted_ttft_seconds", "Time to first token the gateway predicted for the pool it sent the request to (its wait plus the uncached prompt over its prefill rate)", ("pool",), buckets=TTFT_BUCKETS)
+predicted_ttft = Histogram("swiftkv_route_predicted_ttft_seconds", "Time to first token the gateway predicted for the pool it sent the request to (the prefills in line there and the request's uncached prompt, over the pool's measured prefill rate)", ("pool",), buckets=TTFT_BUCKETS)
 
 
 class PoolMetrics:

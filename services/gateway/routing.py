@@ -5,10 +5,14 @@ model, whose prefill is cheaper), the others to `base` (the base model): that is
 override it:
 
 - Load (`routing.balance`): each pool's predicted work is what its requests in flight still need (prompt tokens not
-  yet prefilled, plus `decode_token_cost` per expected output token not yet ended) and this request's own. When the
-  intended pool's exceeds the other's by more than `balance_margin_tokens`, the other serves: at capacity both
-  engines stay busy (the intent alone left the base engine idle while the SwiftKV engine's queue grew), and at low
-  load the intent stands. A faster pool drains its work sooner and so takes more.
+  yet prefilled and not found cached, plus `decode_token_cost` per expected output token not yet ended) and this
+  request's own. When the intended pool's exceeds the other's by more than `balance_margin_tokens`, the other serves:
+  at capacity both engines stay busy (the intent alone left the base engine idle while the SwiftKV engine's queue
+  grew), and at low load the intent stands. A faster pool drains its work sooner and so takes more. The pools are
+  compared by work, not by seconds at each pool's measured prefill rate: measured under load, a rate reflects the
+  engine's batch at that moment, and comparing by it sent too much to whichever pool was momentarily less loaded
+  (BENCHMARKS.md, "Routing by predicted work"). The measured rate predicts each request's time to first token for
+  the metrics, beside the measured one.
 - Prefix cache (`routing.cache_aware`): the prompt tokens a pool holds cached (services.common.prefix_index) cost it
   no prefill, so a conversation's next turn stays where its history is cached unless the other pool's predicted work
   is lower even with the cold prefill. Only the cached tokens beyond `prefix_min_distinct_tokens` count (a system
@@ -64,9 +68,11 @@ class PoolState:
     served_model_name: str
     max_model_len: int | None = None
     ready: bool = False
-    backlog_tokens: int = 0  # dispatched prompt tokens whose first token has not come back
+    backlog_tokens: int = 0  # dispatched prompt tokens not found cached whose first token has not come back
     decode_tokens: int = 0  # expected output tokens of the requests dispatched here that have not ended
-    prefill_rate: Ewma = field(default_factory=lambda: Ewma(5000.0))  # tokens/s, from prompt tokens / TTFT
+    # prompt tokens prefilled per second of an engine's prefill (time to first token less its queue wait, where the
+    # backend reports that), measured on this pool's own traffic: the TTFT it predicts goes to the metrics
+    prefill_rate: Ewma = field(default_factory=lambda: Ewma(5000.0))
     live_in_flight: int = 0  # live requests from dispatch to the end of their response
     live_ended_at: float = -math.inf  # time.monotonic() when the last of them ended
     live_elsewhere_at: float = -math.inf  # when another gateway process last reported live traffic here
@@ -95,11 +101,14 @@ class PoolState:
         (here or in another gateway process)."""
         return self.live_in_flight > 0 or time.monotonic() - max(self.live_ended_at, self.live_elsewhere_at) < quiet_seconds
 
-    def wait_seconds(self) -> float:
-        return self.backlog_tokens / max(self.prefill_rate.value, 1.0)
+    def ttft_seconds(self, prefill_tokens: int) -> float:
+        """Predicted time to first token of a request with `prefill_tokens` not cached here: the prefills in line
+        before it and its own, at the pool's measured prefill rate."""
+        return (self.backlog_tokens + prefill_tokens) / self.prefill_rate.value
 
-    def dispatched(self, prompt_tokens: int, output_tokens: int = 0) -> None:
-        self.backlog_tokens += prompt_tokens
+    def dispatched(self, prefill_tokens: int, output_tokens: int = 0) -> None:
+        """A request went out with `prefill_tokens` of its prompt not cached here and `output_tokens` expected."""
+        self.backlog_tokens += prefill_tokens
         self.decode_tokens += output_tokens
         metrics.pool_backlog.labels(self.name).set(self.backlog_tokens)
 
@@ -111,11 +120,14 @@ class PoolState:
         """What the requests in flight here still need, in prompt tokens' prefill work."""
         return self.backlog_tokens + decode_token_cost * self.decode_tokens
 
-    def first_token(self, prompt_tokens: int, ttft: float) -> None:
-        self.backlog_tokens -= prompt_tokens
+    def first_token(self, prefill_tokens: int, ttft: float, queue_seconds: float | None = None) -> None:
+        """The first token of a request dispatched with `prefill_tokens` came back `ttft` seconds after it was sent
+        (0: it ended without one), of which `queue_seconds` in the engine's queue where the backend knows."""
+        self.backlog_tokens -= prefill_tokens
         metrics.pool_backlog.labels(self.name).set(self.backlog_tokens)
-        if prompt_tokens >= 16 and ttft > 0:  # tiny prompts measure overheads, not prefill
-            self.prefill_rate.update(prompt_tokens / ttft)
+        prefill_seconds = ttft - (queue_seconds or 0.0)
+        if prefill_tokens >= 16 and ttft > 0 and prefill_seconds > 0:  # tiny prefills measure overheads, not prefill
+            self.prefill_rate.update(prefill_tokens / prefill_seconds)
             metrics.pool_prefill_rate.labels(self.name).set(self.prefill_rate.value)
 
 
@@ -206,11 +218,6 @@ class RoutePolicy:
             return 0
         bs = self.index.block_size
         return min(self.index.cached_tokens(pool, blocks), (prompt_tokens - 1) // bs * bs)
-
-    def predicted_ttft(self, pool: PoolState, prompt_tokens: int, cached: int = 0) -> float:
-        """The wait in line plus this prompt's own prefill, less what the pool holds cached (seconds, at the pool's
-        measured prefill rate): set beside the measured TTFT in the metrics."""
-        return pool.wait_seconds() + (prompt_tokens - cached) / pool.prefill_rate.value
 
     def decide(self, prompt_tokens: int, expected_output: int, pools: dict[str, PoolState], pinned: str | None = None,
                blocks: Sequence[bytes] = ()) -> Decision:
