@@ -287,37 +287,36 @@ def test_the_gateway_records_the_serving_pool_and_routes_the_next_turn_there(tin
 
 
 def test_a_pool_counts_only_the_uncached_prompt_as_work_and_measures_prefill_past_the_queue(tiny_base):
-    """Through the app, over a fake engine whose first output comes 0.3 s after dispatch and says 0.25 s of it was
-    queue: the pool's prefill-rate sample is the prompt over the rest (not over the whole time to first token). A
-    second request whose prompt the pool holds cached, held before its first token, counts only its uncached tokens
-    in the pool's work in flight."""
+    """Through the app, over a fake engine whose one output comes 1 s after dispatch and says 0.95 s of it was queue:
+    the pool's prefill-rate sample is the prompt over the rest (not over the whole time to first token). A second
+    request whose prompt the pool holds cached, held before its first token, counts only its uncached tokens in the
+    pool's work in flight."""
     from services.serving.backend import ChoiceDelta, Output
 
     def script(request):
-        yield Output([ChoiceDelta(0, "x", 1)], queue_seconds=0.25)
-        yield Output([ChoiceDelta(0, "x", 1, "length")])
+        yield Output([ChoiceDelta(0, "x", 1, "length")], queue_seconds=0.95)
 
     gate = asyncio.Event()
     gate.set()
     routing = {"prefix_min_distinct_tokens": 32, "prefix_block_size": BS}
     cfg = platform_config(tiny_base, max_model_len=2048, routing=routing)
-    backends = {"swiftkv": FakeBackend("swiftkv", script=script, delay=0.3, gate=gate), "base": FakeBackend("base")}
+    backends = {"swiftkv": FakeBackend("swiftkv", script=script, delay=1.0, gate=gate), "base": FakeBackend("base")}
     served = InProcessGateway(cfg, backends, batch=False)
     pool = served.gateway.pools["swiftkv"]
     history = "The quarterly report says revenue grew in every region. " * 20
 
     async def run():
         async with served.client() as c:
-            r = await c.post("/v1/completions", json={"model": "m", "prompt": history, "max_tokens": 2})
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": history, "max_tokens": 1})
             assert r.status_code == 200, r.text
             assert "pool=swiftkv" in r.headers["x-swiftkv-route"]
             prompt_tokens = r.json()["usage"]["prompt_tokens"]
             sample = 5000 + (pool.prefill_rate.value - 5000) / pool.prefill_rate.alpha  # the one update from its start
-            assert sample > prompt_tokens / 0.3, sample  # over ~0.05 s of prefill, not the 0.3 s to the first token
+            assert sample > prompt_tokens / 1.0, sample  # over ~0.05 s of prefill, not the 1 s to the first token
 
             gate.clear()
             second = asyncio.create_task(c.post("/v1/completions", json={"model": "m", "prompt": history + " And costs?",
-                                                                         "max_tokens": 2}))
+                                                                         "max_tokens": 1}))
             while backends["swiftkv"].waiting == 0:
                 await asyncio.sleep(0.01)
             cached = prompt_tokens // BS * BS
