@@ -60,7 +60,7 @@ from typing import Callable
 import yaml
 
 from loadtest import speculation as spec
-from loadtest.prefix_cache import prefix_cache, ttft_predictions
+from loadtest.predictions import prefix_cache, ttft_predictions
 from loadtest.workloads import WORKLOADS, Request, generate, rate_seed, summary, warmup_seed
 from services.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN
 

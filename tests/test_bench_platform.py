@@ -497,7 +497,7 @@ swiftkv_prompt_tokens_total{{model="m",pool="base",source="live"}} {t}
 def test_prefix_cache_hits_and_the_gateways_prediction_from_two_scrapes():
     """Per pool over the run: vLLM's prefix-cache hit rate (hits / queries, tokens) beside the gateway's predicted one
     (tokens its index expected cached / prompt tokens dispatched there)."""
-    from loadtest.prefix_cache import prefix_cache
+    from loadtest.predictions import prefix_cache
 
     before = PREFIX_METRICS.format(q=1000, h=100, p=50, t=1000)
     after = PREFIX_METRICS.format(q=5000, h=2100, p=1850, t=5000)
@@ -519,7 +519,7 @@ def test_the_gateways_predicted_ttft_beside_the_measured_one_from_two_scrapes(ti
     from harness import served_gateway
 
     from loadtest.platform_bench import PUBLIC, drive
-    from loadtest.prefix_cache import ttft_predictions
+    from loadtest.predictions import ttft_predictions
 
     reqs = generate("mixed", corpus, tokenizer, rate=50.0, count=8, seed=4, scale=0.1)
     with served_gateway(tiny_base, tmp_path, fake={"delay": 0.02}, batch=False, model=PUBLIC) as server:

@@ -36,7 +36,7 @@ slow_client_disconnects = Counter("swiftkv_slow_client_disconnects", "Connection
 rate_limits_shared = Gauge("swiftkv_rate_limits_shared", "1 when per-key rate limits are shared through Redis (redis_url), 0 while Redis is unreachable and this gateway uses its own in-process limits")
 pool_ready = Gauge("swiftkv_pool_ready", "1 when the pool is warmed up and healthy", ("pool",))
 pool_backlog = Gauge("swiftkv_pool_backlog_tokens", "Prompt tokens dispatched to the pool and not yet prefilled", ("pool",))
-pool_prefill_rate = Gauge("swiftkv_pool_prefill_rate_tokens_per_second", "Measured prefill rate (moving average)", ("pool",))
+pool_prefill_rate = Gauge("swiftkv_pool_prefill_rate_tokens_per_second", "Measured prefill rate: prompt tokens over the time to first token less the engine queue wait (moving average)", ("pool",))
 # the gateway's predictions, to set beside vLLM's prefix-cache hits (cache-aware routing) and the measured
 # swiftkv_time_to_first_token_seconds
 prefix_cached_tokens = Counter("swiftkv_route_prefix_cached_tokens", "Prompt tokens the gateway predicted cached in the prefix cache of the pool it sent them to", ("pool",))
