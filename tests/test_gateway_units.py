@@ -433,6 +433,10 @@ def test_the_cpu_binding_holds_only_until_the_engine_core_process_exists():
     from swiftkv_core.hardware import BIND_ENV
 
     def spawned_env(proc) -> dict[str, str]:
+        # between fork and exec /proc shows the environment the parent started with, not the one the child is given
+        deadline = time.monotonic() + 10
+        while b"spawn_main" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
         raw = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
         return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
