@@ -62,6 +62,11 @@ class LlamaSwiftKVConfig(LlamaConfig):
     swiftkv: bool = False
     num_key_value_layers: int | None = None
     key_value_group_size: int = 1
+    # A dual-mode engine serves the base model too, per request (swiftkv_core/dual_mode.py; set by hf_overrides).
+    swiftkv_dual_mode: bool = False
+    # Adapters trained on the later layers were merged into their o_proj/MLP: the checkpoint no longer holds its base
+    # model whole, so it cannot serve base mode.
+    later_layers_adapted: bool = False
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)

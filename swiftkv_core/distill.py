@@ -639,6 +639,7 @@ def write_checkpoint(model: LlamaSwiftKVForCausalLM, base: str | Path, out: Path
 
     adapters, factors = set(model.adapter_parameters()), model.adapter_factors()
     model.merge_adapters()  # the engine loads plain weights
+    model.config.later_layers_adapted = bool(factors)  # merged: the checkpoint no longer holds its base model (no base mode)
     model.config.swiftkv = False  # as in Snowflake's published checkpoints; the serving engine ignores it
     model.save_pretrained(out)
     for item in Path(base).iterdir():

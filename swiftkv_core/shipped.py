@@ -114,3 +114,5 @@ def _merge_adapters(checkpoint: Path, factors: dict, tensors_path: Path) -> None
         tmp = checkpoint / f".{shard}.tmp"
         save_file(tensors, tmp, metadata=meta)
         os.replace(tmp, checkpoint / shard)
+    config["later_layers_adapted"] = True  # its later layers are no longer the base model's: no base mode
+    (checkpoint / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -4,6 +4,8 @@ merged (by the run, or by shipping) gives the adapter student's logits, in the r
 
 from __future__ import annotations
 
+import json
+
 import shutil
 
 import pytest
@@ -121,10 +123,12 @@ def test_a_merged_checkpoint_gives_the_adapter_students_logits(tiny_base, tmp_pa
     write_checkpoint(model, tiny_base, run, trainable_parameters(model, "lora"))
     merged = load_model(str(run))
     assert not any("lora" in n for n, _ in merged.named_parameters())
+    assert merged.config.later_layers_adapted  # a dual-mode engine refuses it: its base mode would not be the base model
     assert torch.allclose(_logits(merged, IDS, swiftkv=True), expected, atol=1e-5, rtol=1e-5)
     # Shipping: the factors are merged into the base model at prepare time, float32 exactly, bf16 within rounding.
     exact = assemble_from_trained(tiny_base, export_trained(run, tmp_path / "f32.safetensors", dtype=torch.float32), tmp_path / "rebuilt32")
     assert torch.allclose(_logits(load_model(str(exact)), IDS, swiftkv=True), expected, atol=1e-5, rtol=1e-5)
+    assert json.loads((exact / "config.json").read_text())["later_layers_adapted"]
     shipped = export_trained(run, tmp_path / "ship.safetensors")
     rounded = _logits(load_model(str(assemble_from_trained(tiny_base, shipped, tmp_path / "rebuilt"))), IDS, swiftkv=True)
     assert (rounded - expected).abs().max().item() < 0.05 * expected.abs().max().item()

@@ -43,6 +43,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
+    QKVParallelLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -52,7 +53,10 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
 from vllm.utils.torch_utils import _encode_layer_name
 
-from .logits_tokens import select_logits_tokens
+from ..config import SwiftKVConfigError
+from ..dual_mode import CONFIG_FIELD
+from . import request_modes
+from .logits_tokens import rows_of_requests, select_logits_tokens
 
 
 def _attention_bias(config) -> tuple[bool, bool]:
@@ -98,9 +102,10 @@ def attend_cached(attn: Attention, query: torch.Tensor, key: torch.Tensor, value
 
 
 class SwiftKVLaterAttention(nn.Module):
-    """Self-attention of a later layer: its own Q projection, K/V taken from the paged cache."""
+    """Self-attention of a later layer: its own Q projection, K/V taken from the paged cache. In a dual-mode engine
+    it also holds the base model's q/k/v projection, for the rows of base-mode requests."""
 
-    def __init__(self, vllm_config: VllmConfig, prefix: str, kv_sharing_target_layer_name: str | None):
+    def __init__(self, vllm_config: VllmConfig, prefix: str, kv_sharing_target_layer_name: str | None, dual_mode: bool = False):
         super().__init__()
         config = vllm_config.model_config.hf_config
         tp_size = get_tensor_model_parallel_world_size()
@@ -123,6 +128,18 @@ class SwiftKVLaterAttention(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.q_proj",
         )
+        self.qkv_proj = None
+        if dual_mode:
+            self.qkv_proj = QKVParallelLinear(
+                config.hidden_size,
+                self.head_dim,
+                self.total_num_heads,
+                self.total_num_kv_heads,
+                bias=qkv_bias,
+                quant_config=quant_config,
+                prefix=f"{prefix}.qkv_proj",
+            )
+            self.qkv_split = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
         self.o_proj = RowParallelLinear(
             self.total_num_heads * self.head_dim,
             config.hidden_size,
@@ -147,9 +164,19 @@ class SwiftKVLaterAttention(nn.Module):
             kv_sharing_target_layer_name=kv_sharing_target_layer_name,
         )
 
-    def forward(self, positions, hidden_states, key, value) -> torch.Tensor:
+    def forward(self, positions, hidden_states, key, value, base_rows=None) -> torch.Tensor:
+        """`key`/`value`: the SwiftKV K/V of these rows (already in the cache). `base_rows` (dual mode): the rows of
+        base-mode requests, which take Q/K/V from the base projections; their K/V replace the SwiftKV ones in the
+        cache before attention."""
         q, _ = self.q_proj(hidden_states)
-        q, _ = self.rotary_emb(positions, q, None)
+        if base_rows is None:
+            q, _ = self.rotary_emb(positions, q, None)
+        else:
+            q_base, k_base, v_base = self.qkv_proj(hidden_states)[0].split(self.qkv_split, dim=-1)
+            rows = base_rows[:, None]
+            q, k_base = self.rotary_emb(positions, torch.where(rows, q_base, q), k_base)
+            key, value = torch.where(rows, k_base, key), torch.where(rows, v_base, value)
+            write_kv_cache(self.attn, key, value)
         output, _ = self.o_proj(attend_cached(self.attn, q, key, value))
         return output
 
@@ -157,10 +184,10 @@ class SwiftKVLaterAttention(nn.Module):
 class SwiftKVLaterDecoderLayer(nn.Module):
     """A later layer (i >= l): LlamaDecoderLayer with SwiftKVLaterAttention."""
 
-    def __init__(self, vllm_config: VllmConfig, prefix: str, kv_sharing_target_layer_name: str | None):
+    def __init__(self, vllm_config: VllmConfig, prefix: str, kv_sharing_target_layer_name: str | None, dual_mode: bool = False):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        self.self_attn = SwiftKVLaterAttention(vllm_config, f"{prefix}.self_attn", kv_sharing_target_layer_name)
+        self.self_attn = SwiftKVLaterAttention(vllm_config, f"{prefix}.self_attn", kv_sharing_target_layer_name, dual_mode)
         self.mlp = LlamaMLP(
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
@@ -172,13 +199,13 @@ class SwiftKVLaterDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions, hidden_states, residual, key, value):
+    def forward(self, positions, hidden_states, residual, key, value, base_rows=None):
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, key, value)
+        hidden_states = self.self_attn(positions, hidden_states, key, value, base_rows)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -220,11 +247,15 @@ class SwiftKVLaterLayers(nn.Module):
         self.kv_size, self.group_size = model.kv_size, model.group_size
 
     def forward(self, positions, hidden_states, key_block, value_block) -> torch.Tensor:
+        return self.forward_dual(positions, hidden_states, key_block, value_block, None)
+
+    def forward_dual(self, positions, hidden_states, key_block, value_block, base_rows) -> torch.Tensor:
+        """`forward` with the rows of base-mode requests marked (dual mode; not a compile unit: eager)."""
         keys, values = key_block.split(self.kv_size, dim=-1), value_block.split(self.kv_size, dim=-1)
         residual = None
         for i, layer in enumerate(self.layers):
             j = i // self.group_size
-            hidden_states, residual = layer(positions, hidden_states, residual, keys[j], values[j])
+            hidden_states, residual = layer(positions, hidden_states, residual, keys[j], values[j], base_rows)
         return self.norm(hidden_states, residual)[0]
 
 
@@ -242,12 +273,16 @@ class SwiftKVLlamaModel(nn.Module):
         self.queries_per_request = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
         # The AcrossKV group leaders among the later layers: each owns one KV projection and cache.
         self.leaders = list(range(l, L, g))
+        self.dual_mode = bool(getattr(config, CONFIG_FIELD, False))
+        if self.dual_mode:
+            _check_dual_mode(config, l, L, g)
+            request_modes.install()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config)
         layers: list[nn.Module] = [LlamaDecoderLayer(vllm_config=vllm_config, prefix=f"{prefix}.layers.{i}") for i in range(l)]
         for i in range(l, L):
             leader = config.kv_group_leader(i)
             target = None if leader == i else _attn_name(leader, prefix)
-            layers.append(SwiftKVLaterDecoderLayer(vllm_config, f"{prefix}.layers.{i}", target))
+            layers.append(SwiftKVLaterDecoderLayer(vllm_config, f"{prefix}.layers.{i}", target, self.dual_mode))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if self.leaders:
@@ -289,7 +324,11 @@ class SwiftKVLlamaModel(nn.Module):
         for leader, k, v in zip(self.leaders, self._split(key_block), self._split(value_block)):
             write_kv_cache(self.layers[leader].self_attn.attn, k, v)
 
-        selected = self.select_tokens()
+        metadata = self.later_metadata()
+        base = request_modes.base_requests() if self.dual_mode and metadata is not None else None
+        if base is not None:
+            return self.forward_dual(positions, stream, key_block, value_block, metadata, base)
+        selected = None if metadata is None else self.select_tokens(metadata)
         if selected is None:  # decode-only step or profile run: all tokens continue
             return self.later(positions, stream, key_block, value_block)
         indices = selected.indices
@@ -299,29 +338,63 @@ class SwiftKVLlamaModel(nn.Module):
         out[indices] = out_sel
         return out
 
+    def forward_dual(self, positions, stream, key_block, value_block, metadata, base) -> torch.Tensor:
+        """The later layers of a step holding base-mode requests: their every token continues (the base model runs
+        all layers on all tokens), with the base projections, beside the SwiftKV requests' last tokens."""
+        rows = rows_of_requests(metadata, base, stream.shape[0])
+        selected = self.select_tokens(metadata, keep_all=base)
+        if selected is None:
+            return self.later.forward_dual(positions, stream, key_block, value_block, rows)
+        indices = selected.indices
+        with self.later_layers_metadata(selected.metadata, indices):
+            out_sel = self.later.forward_dual(positions[indices], stream[indices], key_block[indices], value_block[indices], rows[indices])
+        out = stream.new_zeros(stream.shape)
+        out[indices] = out_sel
+        return out
+
     def _split(self, block: torch.Tensor) -> list[torch.Tensor]:
         return list(block.split(self.kv_size, dim=-1))
 
-    def select_tokens(self):
+    def later_metadata(self):
+        """The step's attention metadata of the first later layer (None in dummy and profiling runs)."""
         attn_metadata = get_forward_context().attn_metadata
         if attn_metadata is None:
             return None
         if not isinstance(attn_metadata, dict):
             raise NotImplementedError("SwiftKV does not support micro-batched (DBO) attention metadata")
+        return attn_metadata[self.layers[self.num_kv_layers].self_attn.attn.layer_name]
+
+    def select_tokens(self, metadata, keep_all=None):
         attn = self.layers[self.num_kv_layers].self_attn.attn
-        return select_logits_tokens(attn_metadata[attn.layer_name], attn, self.queries_per_request)
+        return select_logits_tokens(metadata, attn, self.queries_per_request, keep_all)
 
     @contextmanager
-    def later_layers_metadata(self, metadata):
-        """Give every later layer's attention the metadata of the selected tokens for a while."""
+    def later_layers_metadata(self, metadata, indices=None):
+        """Give every later layer's attention the metadata of the selected tokens for a while (and, where those
+        layers write K/V of the selected rows, `indices`: the cache slots of those rows)."""
         ctx = get_forward_context()
-        saved = ctx.attn_metadata
+        saved, saved_slots = ctx.attn_metadata, ctx.slot_mapping
         names = [layer.self_attn.attn.layer_name for layer in self.layers[self.num_kv_layers :]]
         ctx.attn_metadata = {**saved, **dict.fromkeys(names, metadata)}
+        if indices is not None and isinstance(saved_slots, dict):
+            ctx.slot_mapping = {**saved_slots, **{n: saved_slots[n][indices] for n in names if n in saved_slots}}
         try:
             yield
         finally:
-            ctx.attn_metadata = saved
+            ctx.attn_metadata, ctx.slot_mapping = saved, saved_slots
+
+
+def _check_dual_mode(config, l: int, L: int, g: int) -> None:
+    """Refuse a dual-mode engine on a checkpoint that does not hold its base model whole, or shares later caches."""
+    if l == L:
+        raise SwiftKVConfigError(f"{CONFIG_FIELD}: this checkpoint skips no layer (num_key_value_layers = {L}): it is its base "
+                                 "model already; serve it without the override", CONFIG_FIELD)
+    if g > 1:
+        raise SwiftKVConfigError(f"{CONFIG_FIELD} needs key_value_group_size 1 (got {g}): with AcrossKV the later layers share "
+                                 "KV caches, which the base model's own K/V cannot", CONFIG_FIELD)
+    if getattr(config, "later_layers_adapted", False):
+        raise SwiftKVConfigError(f"{CONFIG_FIELD}: this checkpoint's later layers carry merged adapters, so it no longer holds "
+                                 "its base model; serve the base model from its own checkpoint", CONFIG_FIELD)
 
 
 # checkpoint tensor name -> (vLLM parameter name, shard id or None), or None to skip the tensor
@@ -377,8 +450,8 @@ class VllmLlamaSwiftKVForCausalLM(nn.Module):
         if proj in ("gate_proj", "up_proj"):
             return f"{layer}.gate_up_proj.{kind}", 0 if proj == "gate_proj" else 1
         if proj in ("q_proj", "k_proj", "v_proj"):
-            # Layers >= l: the original projections are the teacher's, unused at inference.
-            return None if i >= l else (f"{layer}.qkv_proj.{kind}", proj[0])
+            # Layers >= l: the original projections are the base model's, used only by a dual-mode engine.
+            return None if i >= l and not self.model.dual_mode else (f"{layer}.qkv_proj.{kind}", proj[0])
         if proj == "q_proj_swiftkv":
             return f"{layer}.q_proj.{kind}", None
         if proj in ("k_proj_swiftkv", "v_proj_swiftkv"):

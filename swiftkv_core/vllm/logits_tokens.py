@@ -56,22 +56,31 @@ class KeptQueries(NamedTuple):
     max_query_len: int
 
 
-def select_logits_tokens(metadata: Any, attn_layer: torch.nn.Module, queries_per_request: int = 1) -> LogitsTokens | None:
+def select_logits_tokens(metadata: Any, attn_layer: torch.nn.Module, queries_per_request: int = 1,
+                         keep_all: torch.Tensor | None = None) -> LogitsTokens | None:
     """The logits-needing tokens of this step and their attention metadata: the last `queries_per_request`
-    scheduled tokens of every request (1 + num_speculative_tokens under speculative decoding, else 1).
+    scheduled tokens of every request (1 + num_speculative_tokens under speculative decoding, else 1), and every
+    token of the requests `keep_all` marks (a dual-mode engine's base-mode requests run all layers on all tokens).
 
     Returns None when every scheduled token is kept (a step of decodes and drafts only): the later layers then
     run on the whole batch with the engine's own metadata.
     """
-    if metadata.max_query_len <= queries_per_request:
-        return None
     qsl = metadata.query_start_loc
     num_reqs = qsl.shape[0] - 1
+    if keep_all is not None:
+        keep_all = _per_request(keep_all, num_reqs)
+    if metadata.max_query_len <= queries_per_request and keep_all is None:
+        return None
     ends = qsl[1:].to(torch.long)
-    kept = torch.clamp(ends - qsl[:-1].to(torch.long), max=queries_per_request)
+    lengths = ends - qsl[:-1].to(torch.long)
+    kept = torch.clamp(lengths, max=queries_per_request)
+    if keep_all is not None:
+        kept = torch.where(keep_all, lengths, kept)
+        if bool((kept == lengths).all()):
+            return None
     query_start_loc = torch.zeros_like(qsl)
     torch.cumsum(kept, 0, out=query_start_loc[1:])
-    if queries_per_request == 1:
+    if queries_per_request == 1 and keep_all is None:
         indices = ends - 1
     else:  # request i keeps rows ends[i] - kept[i] .. ends[i] - 1
         request = torch.repeat_interleave(torch.arange(num_reqs, device=qsl.device), kept)
@@ -83,8 +92,25 @@ def select_logits_tokens(metadata: Any, attn_layer: torch.nn.Module, queries_per
             f"SwiftKV has no attention-metadata slicing for {type(metadata).__name__} "
             f"(backends supported: {', '.join(sorted(_SLICERS))}); add one in {__name__}"
         )
-    kept_queries = KeptQueries(query_start_loc, min(metadata.max_query_len, queries_per_request))
+    kept_queries = KeptQueries(query_start_loc, int(kept.max()) if keep_all is not None else min(metadata.max_query_len, queries_per_request))
     return LogitsTokens(indices, slicer(metadata, attn_layer, indices, kept_queries))
+
+
+def rows_of_requests(metadata: Any, per_request: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """A per-request flag spread over the step's `num_rows` token rows (rows past the requests' tokens: padding, False)."""
+    qsl = metadata.query_start_loc
+    num_reqs = qsl.shape[0] - 1
+    lengths = (qsl[1:] - qsl[:-1]).to(torch.long)
+    rows = torch.repeat_interleave(_per_request(per_request, num_reqs), lengths)[:num_rows]
+    return torch.cat([rows, rows.new_zeros(num_rows - rows.shape[0])])
+
+
+def _per_request(flags: torch.Tensor, num_reqs: int) -> torch.Tensor:
+    """`flags` cut or padded (False) to the metadata's request count."""
+    flags = flags[:num_reqs]
+    if flags.shape[0] < num_reqs:
+        flags = torch.cat([flags, flags.new_zeros(num_reqs - flags.shape[0])])
+    return flags
 
 
 def _slice_cpu(metadata: Any, attn_layer: torch.nn.Module, indices: torch.Tensor, kept: KeptQueries) -> Any:

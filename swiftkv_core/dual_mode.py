@@ -1,0 +1,55 @@
+"""Dual-mode SwiftKV engines: one engine serving the SwiftKV model and its base model, chosen per request.
+
+A SwiftKV checkpoint holds its base model whole (the later layers' original q/k/v are kept beside the SwiftKV
+projections), so one vLLM engine can run either forward for each request of a batch: `swiftkv` (prompt tokens stop
+at layer l, the SwiftKV projections fill the later layers' caches) or `base` (every token through every layer with
+the original projections: exactly the base model). A platform whose engines are all dual-mode chooses the model of a
+request by what it needs (quality, prompt/output ratio) and the engine by load and cache, independently: prompt-heavy
+traffic at capacity runs as SwiftKV on every engine instead of leaving a base-model engine idle.
+
+The contract between whoever sends a request and the engine (pure Python: the gateway imports it without vLLM):
+- the engine is started with `hf_overrides` containing DUAL_MODE_OVERRIDES (`vllm serve ... --hf-overrides
+  '{"swiftkv_dual_mode": true}'`);
+- a base-mode request carries `SamplingParams.extra_args = {"swiftkv_mode": "base"}` (`vllm_xargs` in an OpenAI
+  request to a vLLM server) and the cache salt BASE_MODE_CACHE_SALT: the later layers' KV of the two modes differ,
+  so their prefix-cache blocks must never be shared, and vLLM keys blocks by the salt. A request without the key runs
+  in SwiftKV mode, as on a single-mode SwiftKV engine.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Mode = Literal["swiftkv", "base"]
+MODES: tuple[Mode, ...] = ("swiftkv", "base")
+CONFIG_FIELD = "swiftkv_dual_mode"
+DUAL_MODE_OVERRIDES = {CONFIG_FIELD: True}
+MODE_ARG = "swiftkv_mode"
+BASE_MODE_CACHE_SALT = "swiftkv-base-mode"
+
+
+def with_dual_mode(engine_args: dict) -> dict:
+    """Engine args that start a SwiftKV checkpoint as a dual-mode engine (the args' own hf_overrides kept)."""
+    return {**engine_args, "hf_overrides": {**(engine_args.get("hf_overrides") or {}), **DUAL_MODE_OVERRIDES}}
+
+
+def extra_args(mode: Mode | None) -> dict | None:
+    """SamplingParams.extra_args (vLLM server: `vllm_xargs`) that ask a dual-mode engine for `mode`."""
+    check_mode(mode)
+    return {MODE_ARG: "base"} if mode == "base" else None
+
+
+def cache_salt(mode: Mode | None) -> str | None:
+    """The prefix-cache salt of a request in `mode` (None: the SwiftKV mode shares blocks with single-mode engines)."""
+    check_mode(mode)
+    return BASE_MODE_CACHE_SALT if mode == "base" else None
+
+
+def is_base(extra: dict | None) -> bool:
+    """Whether a request's extra_args ask for base mode (read by the engine's model runner)."""
+    return bool(extra) and extra.get(MODE_ARG) == "base"
+
+
+def check_mode(mode: str | None) -> None:
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"unknown SwiftKV engine mode {mode!r}; choose from {', '.join(MODES)}")
