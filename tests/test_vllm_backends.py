@@ -87,6 +87,7 @@ def test_unknown_backend_is_refused_with_the_supported_list():
 )
 def test_cuda_graphs_only_for_decode_only_steps(requested, expected):
     assert swiftkv_cudagraph_mode(requested) == expected
+    assert swiftkv_cudagraph_mode(requested, dual_mode=True) == CUDAGraphMode.NONE  # modes change per decode step
 
 
 def _engine_config(path, **overrides):

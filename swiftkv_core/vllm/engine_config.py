@@ -40,6 +40,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from ..config import SwiftKVConfigError
+from ..dual_mode import CONFIG_FIELD
 from .speculation import speculation_refusal
 
 if TYPE_CHECKING:
@@ -94,7 +95,8 @@ class SwiftKVEngineConfig(VerifyAndUpdateConfig):
         check_attention_backend(vllm_config, on_cpu=current_platform.is_cpu())
         if not current_platform.is_cpu():
             compilation = vllm_config.compilation_config
-            compilation.cudagraph_mode = swiftkv_cudagraph_mode(compilation.cudagraph_mode)
+            dual_mode = bool(getattr(vllm_config.model_config.hf_config, CONFIG_FIELD, False))
+            compilation.cudagraph_mode = swiftkv_cudagraph_mode(compilation.cudagraph_mode, dual_mode)
         model_config = vllm_config.model_config
         processors = list(model_config.logits_processors or [])
         if SwiftKVRequestValidator.FQCN not in processors and SwiftKVRequestValidator not in processors:
@@ -113,8 +115,14 @@ class FrontEndOnly(list):
         return (list, (kept,))
 
 
-def swiftkv_cudagraph_mode(requested: CUDAGraphMode | None) -> CUDAGraphMode:
-    """The CUDA-graph mode a SwiftKV engine may use: none, or full graphs for decode-only batches."""
+def swiftkv_cudagraph_mode(requested: CUDAGraphMode | None, dual_mode: bool = False) -> CUDAGraphMode:
+    """The CUDA-graph mode a SwiftKV engine may use: none, or full graphs for decode-only batches. A dual-mode engine
+    uses none: which rows of a decode step run as the base model changes from step to step, and a replayed graph
+    would run them as they were captured."""
+    if dual_mode:
+        if requested not in (None, CUDAGraphMode.NONE):
+            logger.warning("SwiftKV dual mode: cudagraph_mode %s would replay one mode's decode for both; using NONE", requested.name)
+        return CUDAGraphMode.NONE
     if requested in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
         return requested
     if requested is not None:

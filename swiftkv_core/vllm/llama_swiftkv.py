@@ -14,6 +14,11 @@ One forward step over a batch of scheduled tokens (prefill chunks and decode tok
     final norm             rows that need logits; all other rows of the output are zeros (never read:
                            `prompt_logprobs` is refused by `engine_config`)
 
+Dual mode (`hf_overrides={"swiftkv_dual_mode": true}`, swiftkv_core/dual_mode.py): the later layers also hold the
+base model's q/k/v projections, and the requests the model runner marks as base mode (`request_modes`) keep every
+token through the later layers, where their Q/K/V come from those projections and their K/V overwrite the SwiftKV ones
+in the cache before each layer's attention: the base model exactly, beside SwiftKV requests in the same step.
+
 Under vLLM's torch.compile modes, layers 0..l-1 with the fused projection and layers l..L-1 with the final
 norm are two compile units (`SwiftKVLowerLayers`, `SwiftKVLaterLayers`); the glue between them (cache
 writes, token selection, metadata) stays eager. Later layers build no k/v projections at all and the original q/k/v tensors of layers >= l are
