@@ -20,8 +20,10 @@ def bench_platform_command(
     duration: Annotated[float, typer.Option(help="Arrivals per rate stop after this many seconds")] = 180.0,
     configs: Annotated[str, typer.Option(help="Comma-separated: routed (ratio only), routed-cache (the default routing: "
                                          "ratio, load balance, prefix cache), routed-events (routed-cache, the index "
-                                         "following the engines' KV-cache events), base, swiftkv, routed-spec, base-spec "
-                                         "(routed-cache / base with speculative decoding on every pool)")
+                                         "following the engines' KV-cache events), routed-dual (both pools the SwiftKV model as "
+                                         "dual-mode engines serving both models: the ratio picks the model, load and prefix "
+                                         "cache the engine), base, swiftkv, routed-spec, base-spec (routed-cache / base with "
+                                         "speculative decoding on every pool)")
                        ] = "routed,routed-cache,base,swiftkv",
     spec_method: Annotated[str, typer.Option(help="The -spec configurations' speculative decoding: ngram (prompt lookup) or "
                                              "suffix (Arctic Inference)")] = "ngram",

@@ -12,6 +12,10 @@ in-process engines, same engine arguments and KV budget each), measured, and sto
     routed-events
              routed-cache with the gateway's prefix-cache index following the engines' KV-cache events
              (routing.kv_events) instead of predicting what they evict
+    routed-dual
+             both pools run the SwiftKV model as dual-mode engines (each pool's `dual_mode`: every engine serves the
+             SwiftKV and the base model, per request), with the platform's default routing: the ratio's intent picks
+             the model, load and prefix cache the engine, so prompt-heavy traffic at capacity runs as SwiftKV on both
     base     both pools serve the base model; requests alternate between the two pools' own model names
              (round-robin over two replicas, through the same gateway)
     swiftkv  both pools serve the SwiftKV model, round-robin likewise
@@ -28,10 +32,10 @@ answers as they came). Every configuration gets the same requests; each rate dra
 then loadtest.workloads.rate_seed), and so do the few warm-up requests sent before the first rate (warmup_seed):
 texts measured twice on one platform would be found in its prefix cache. Per config and rate: TTFT p50/p90/p99, TPOT p50/p99, inter-token latency, end-to-end latency, requests/s, prompt and
 output tokens/s, goodput (requests/s meeting both SLOs), errors, the share of requests each pool served
-(from the `x-swiftkv-route` header), and per pool what its engines' speculative decoding drafted and accepted
-(vLLM's counters on the server's /metrics, read before and after each rate: loadtest.speculation), and for
-chat-multiturn the TTFT p50 of first and of later turns (a later turn finds its history in the prefix cache). The CPU
-model, its vector flags and the load average are recorded.
+(from the `x-swiftkv-route` header; routed-dual: also the share a pool ran as the other pool's model), and per
+pool what its engines' speculative decoding drafted and accepted (vLLM's counters on the server's /metrics, read
+before and after each rate: loadtest.speculation), and for chat-multiturn the TTFT p50 of first and of later turns (a
+later turn finds its history in the prefix cache). The CPU model, its vector flags and the load average are recorded.
 
 With a target (`--target URL --target-model NAME`) no configuration is started: the same traffic goes to a
 server already running there (a deployed gateway, vLLM's own OpenAI server), every request asking for NAME,
@@ -65,7 +69,8 @@ from loadtest.workloads import WORKLOADS, Request, generate, rate_seed, summary,
 from services.config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN
 
 ROOT = Path(__file__).resolve().parents[1]
-# configuration -> (its pools' models: routed, base or swiftkv; its routing settings beyond the platform's defaults)
+# configuration -> (its pools' models: routed, base, swiftkv or dual (both the SwiftKV model, dual-mode); its routing
+# settings beyond the platform's defaults)
 LAYOUTS: dict[str, tuple[str, dict]] = {
     "routed": ("routed", {"balance": False, "cache_aware": False}),
     "routed-cache": ("routed", {}),
@@ -74,7 +79,9 @@ LAYOUTS: dict[str, tuple[str, dict]] = {
     "routed-spec": ("routed", {}),
     "base-spec": ("base", {}),
     "routed-events": ("routed", {"kv_events": True}),
+    "routed-dual": ("dual", {}),
 }
+ROUTED_LAYOUTS = ("routed", "dual")  # requests name the public model, and the gateway routes them
 CONFIGS = tuple(LAYOUTS)
 DEFAULT_CONFIGS = ("routed", "routed-cache", "base", "swiftkv")
 SPECULATING = ("routed-spec", "base-spec")  # every pool speculates
@@ -193,13 +200,15 @@ def platform_config(name: str, cfg: PlatformBenchConfig, port: int) -> dict:
         raise PlatformBenchError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
     layout, routing = LAYOUTS[name]
     swiftkv, base = {"routed": (cfg.swiftkv_model, cfg.base_model), "base": (cfg.base_model, cfg.base_model),
-                     "swiftkv": (cfg.swiftkv_model, cfg.swiftkv_model)}[layout]
+                     "swiftkv": (cfg.swiftkv_model, cfg.swiftkv_model), "dual": (cfg.swiftkv_model, cfg.swiftkv_model)}[layout]
+    dual = {"dual_mode": True} if layout == "dual" else {}
     tokenizer = cfg.tokenizer or cfg.base_model
     speculative = cfg.speculative_block() if name in SPECULATING else None
 
     def pool(model: str) -> dict:
         spec = {} if speculative is None else {"speculative": dict(speculative)}
-        return {"model": str(Path(model).resolve()), "tokenizer": str(Path(tokenizer).resolve()), "engine_args": engine_args(cfg), **spec}
+        return {"model": str(Path(model).resolve()), "tokenizer": str(Path(tokenizer).resolve()), "engine_args": engine_args(cfg), **spec,
+                **dual}
 
     return {"model": PUBLIC, "host": "127.0.0.1", "port": port, "pools": {"swiftkv": pool(swiftkv), "base": pool(base)},
             "limits": {"max_body_bytes": 4_000_000}, **({"routing": routing} if routing else {})}
@@ -207,7 +216,7 @@ def platform_config(name: str, cfg: PlatformBenchConfig, port: int) -> dict:
 
 def model_names(name: str) -> list[str]:
     """What requests ask for, in turn: the public name (routed), or each pool's own name (round-robin)."""
-    return [PUBLIC] if LAYOUTS[name][0] == "routed" else [f"{PUBLIC}-swiftkv", f"{PUBLIC}-base"]
+    return [PUBLIC] if LAYOUTS[name][0] in ROUTED_LAYOUTS else [f"{PUBLIC}-swiftkv", f"{PUBLIC}-base"]
 
 
 def speculation_refusals(cfg: PlatformBenchConfig, on_cpu: bool) -> list[str]:
@@ -367,6 +376,7 @@ class Record:
     output_tokens: int = 0
     pool: str | None = None
     route_reason: str | None = None
+    mode: str | None = None  # the model a dual-mode pool ran it as, where not the pool's own (the route header's)
     finish_reason: str | None = None
     error: str | None = None
     answer: str | None = field(default=None, repr=False)  # the text it got, kept for a conversation's next turn
@@ -378,9 +388,11 @@ class Record:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def parse_route(header: str | None) -> tuple[str | None, str | None]:
+def parse_route(header: str | None) -> tuple[str | None, str | None, str | None]:
+    """(pool, reason, mode) of the gateway's `x-swiftkv-route` header; mode only where a dual-mode pool ran the request as
+    the other pool's model."""
     parts = dict(p.strip().split("=", 1) for p in (header or "").split(";") if "=" in p)
-    return parts.get("pool"), parts.get("reason")
+    return parts.get("pool"), parts.get("reason"), parts.get("mode")
 
 
 async def one_request(client, req: Request, model: str, t0: float, timeout: float, history: list[dict] | None = None) -> Record:
@@ -393,7 +405,7 @@ async def one_request(client, req: Request, model: str, t0: float, timeout: floa
         raw = await client.chat.completions.with_raw_response.create(
             model=model, messages=[*(history or []), *req.messages()], max_tokens=req.max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, timeout=timeout)
-        rec.pool, rec.route_reason = parse_route(raw.headers.get("x-swiftkv-route"))
+        rec.pool, rec.route_reason, rec.mode = parse_route(raw.headers.get("x-swiftkv-route"))
         stream = raw.parse()
         if asyncio.iscoroutine(stream):
             stream = await stream
@@ -552,6 +564,9 @@ def figures(records: list[Record], span_s: float, rate: float, cfg: PlatformBenc
         "route_reasons": dict(sorted(reasons.items())),
         "ttft_all_s": [round(x, 4) for x in sorted(ttft)],
     }
+    modes = [r.mode for r in ok if r.mode]
+    if modes:  # dual-mode pools ran requests as the other pool's model (routed-dual): the share of each model
+        out["other_model_share"] = {m: round(modes.count(m) / len(ok), 3) for m in sorted(set(modes))}
     if any(r.turn for r in records):  # conversations: a later turn's history should be in the prefix cache
         out["ttft_p50_first_turn_s"] = r4(pct([r.ttft_s for r in ok if r.turn == 1], 50))
         out["ttft_p50_later_turns_s"] = r4(pct([r.ttft_s for r in ok if r.turn > 1], 50))

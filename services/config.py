@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from swiftkv_core.dual_mode import with_dual_mode
 from swiftkv_core.hardware import check_cpu_cores
 
 # The two pools, named by the model each serves: the SwiftKV model (cheap prefill, for prompt-heavy requests) and
@@ -151,6 +152,10 @@ class PoolConfig(StrictModel):
                            "bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto (several in-process engines: each its own "
                            "cores; one: vLLM's own binding), nobind, or CPU ids such as 0, 0-3 or 0,2 (one list per worker, "
                            "separated by |); Ray replicas and GPUs keep vLLM's own")
+    dual_mode: bool = Field(False, description="the pool's engines run its SwiftKV checkpoint as dual-mode engines: they serve "
+                            "the base model too, per request (swiftkv_core/dual_mode.py); the router then keeps each request's "
+                            "model and chooses the engine by load and prefix cache. A remote pool: its vLLM server was started "
+                            "with --hf-overrides '{\"swiftkv_dual_mode\": true}'")
 
     @field_validator("speculative", mode="before")
     @classmethod
@@ -197,9 +202,11 @@ class PoolConfig(StrictModel):
         return [e] if isinstance(e, str) else list(e or [])
 
     def vllm_engine_args(self) -> dict[str, Any]:
-        """The AsyncEngineArgs fields an engine of this pool starts with: engine_args plus `speculative`."""
+        """The AsyncEngineArgs fields an engine of this pool starts with: engine_args plus `speculative`, and the
+        dual-mode override (`dual_mode`) beside the pool's own hf_overrides."""
         speculative = self.speculative.vllm_config()
-        return self.engine_args if speculative is None else {**self.engine_args, "speculative_config": speculative}
+        args = self.engine_args if speculative is None else {**self.engine_args, "speculative_config": speculative}
+        return with_dual_mode(args) if self.dual_mode else args
 
     @property
     def speculation(self) -> dict[str, Any] | None:
@@ -391,6 +398,10 @@ class PlatformConfig(StrictModel):
         for name, pool in self.pools.items():
             if pool.ray_app and not self.ray_address:
                 raise ValueError(f"pools.{name}.ray_app attaches to an application on a running Ray cluster: set ray_address")
+            if pool.dual_mode and self.routing.kv_events:
+                raise ValueError(f"pools.{name}.dual_mode with routing.kv_events: the gateway's block hashes do not include "
+                                 "vLLM's cache salt yet, so the events of a dual-mode engine's base-mode blocks would not "
+                                 "match them; turn routing.kv_events off (the index then predicts what the engines hold)")
         names = [self.served_name(p) for p in self.pools] + [self.model]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be distinct: {names}")

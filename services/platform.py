@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import re
@@ -55,6 +56,35 @@ def _check_models(cfg) -> None:
         if pool.backend == "engine" and looks_local and not path.exists():
             fail(f"pool {name}: model folder {pool.model} does not exist "
                   f"(prepare it with `swiftkv models prepare {path.name}`, or run `swiftkv demo`)")
+        refusal = dual_mode_refusal(name, pool)
+        if refusal:
+            fail(refusal)
+
+
+def local_hf_config(pool) -> dict | None:
+    """The config.json of the pool's model where it is a local folder (None: a hub id, or unreadable: the engine says
+    what is wrong with it)."""
+    config_file = Path(pool.model) / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def dual_mode_refusal(name: str, pool) -> str | None:
+    """Why the pool cannot run dual-mode engines (None: it can, or its model is not a local folder to read): a dual-mode
+    engine runs a SwiftKV checkpoint, which holds the base model whole."""
+    from swiftkv_core.vllm.speculation import CHECKPOINT_ARCHITECTURE, is_swiftkv_checkpoint
+
+    hf_config = local_hf_config(pool) if pool.dual_mode and pool.backend == "engine" else None
+    if hf_config is None or is_swiftkv_checkpoint(hf_config):
+        return None
+    return (f"pools.{name}.dual_mode needs a SwiftKV checkpoint (architectures [{CHECKPOINT_ARCHITECTURE}] in its config.json), "
+            f"which holds the base model whole; {pool.model} lists {hf_config.get('architectures') or 'none'}: convert it with "
+            "`swiftkv convert` or set dual_mode false")
 
 
 def _check_machine(cfg, engine: str) -> None:
@@ -83,7 +113,6 @@ def speculation_refusal(name: str, pool, on_cpu: bool) -> str | None:
     decoding without Arctic Inference installed, or a SwiftKV model where SwiftKV cannot verify drafts. The
     engines refuse both too, but only once each has started loading."""
     import importlib.util
-    import json
 
     speculation = pool.speculation
     if not isinstance(speculation, dict):  # none, or vLLM's JSON text in engine_args: the engine checks that
@@ -93,15 +122,11 @@ def speculation_refusal(name: str, pool, on_cpu: bool) -> str | None:
         return (f"{setting}: method suffix runs Arctic Inference's suffix decoding, and the arctic_inference package is "
                 "not installed here (`pip install arctic-inference`: an sdist that compiles a C++ extension); "
                 "or use method ngram")
-    config_file = Path(pool.model) / "config.json"
-    if config_file.is_file():
+    hf_config = local_hf_config(pool)
+    if hf_config is not None:
         from swiftkv_core.vllm.speculation import is_swiftkv_checkpoint
         from swiftkv_core.vllm.speculation import speculation_refusal as swiftkv_refusal
 
-        try:
-            hf_config = json.loads(config_file.read_text())
-        except (OSError, ValueError):
-            return None  # the engine says what is wrong with it
         refusal = swiftkv_refusal(on_cpu, speculation.get("method")) if is_swiftkv_checkpoint(hf_config) else None
         if refusal:
             return f"{setting}: pool {name} serves the SwiftKV model {pool.model}: {refusal}"
@@ -477,8 +502,6 @@ def _prepare(model_name: str) -> Path | None:
 
 
 def _convert_undistilled(base: Path, out: Path) -> None:
-    import json
-
     from swiftkv_core.config import default_num_key_value_layers
     from swiftkv_core.convert import convert
 

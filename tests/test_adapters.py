@@ -5,7 +5,6 @@ merged (by the run, or by shipping) gives the adapter student's logits, in the r
 from __future__ import annotations
 
 import json
-
 import shutil
 
 import pytest

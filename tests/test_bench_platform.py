@@ -617,7 +617,7 @@ def test_spec_configurations_speculate_on_every_pool(tmp_path):
     from loadtest.platform_bench import CONFIGS, DEFAULT_CONFIGS, PUBLIC, PlatformBenchConfig, model_names, platform_config
     from services.config import PlatformConfig
 
-    assert CONFIGS == ("routed", "routed-cache", "base", "swiftkv", "routed-spec", "base-spec", "routed-events")
+    assert CONFIGS == ("routed", "routed-cache", "base", "swiftkv", "routed-spec", "base-spec", "routed-events", "routed-dual")
     assert DEFAULT_CONFIGS == CONFIGS[:4]
     base, swift = checkpoint(tmp_path / "base", False), checkpoint(tmp_path / "swiftkv", True)
     cfg = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift))
@@ -649,6 +649,35 @@ def test_spec_configurations_speculate_on_every_pool(tmp_path):
     wide = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift), spec_tokens=3, spec_lookup_min=1, spec_lookup_max=5)
     assert platform_config("routed-spec", wide, 1)["pools"]["swiftkv"]["speculative"] == {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5}
+
+
+def test_routed_dual_runs_the_swiftkv_model_as_dual_mode_engines_on_both_pools(tmp_path):
+    """routed-dual: both pools the SwiftKV model with dual_mode (their engines serve both models), the platform's
+    default routing, requests naming the public model; a config `swiftkv serve` accepts (its model check included),
+    whose engines start with the dual-mode override. The gateway's route header is read back with the mode it adds."""
+    from loadtest.platform_bench import PUBLIC, PlatformBenchConfig, Record, figures, model_names, parse_route, platform_config
+    from services.config import PlatformConfig
+    from services.gateway.routing import Decision
+    from services.platform import _check_models
+
+    base, swift = checkpoint(tmp_path / "base", False), checkpoint(tmp_path / "swiftkv", True)
+    built = platform_config("routed-dual", PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift)), 8123)
+    assert {name: (pool["model"], pool["dual_mode"]) for name, pool in built["pools"].items()} == {
+        "swiftkv": (str(swift.resolve()), True), "base": (str(swift.resolve()), True)}
+    assert "routing" not in built and model_names("routed-dual") == [PUBLIC]
+    platform = PlatformConfig.model_validate(built)
+    assert (platform.routing.balance, platform.routing.cache_aware, platform.routing.kv_events) == (True, True, False)
+    for pool in platform.pools.values():
+        assert pool.vllm_engine_args()["hf_overrides"] == {"swiftkv_dual_mode": True}
+    _check_models(platform)
+    assert all("dual_mode" not in pool for name in ("routed", "routed-cache", "base", "swiftkv")
+               for pool in platform_config(name, PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift)), 1)["pools"].values())
+    assert parse_route(Decision("base", "backlog", 12.5, mode="swiftkv").header()) == ("base", "backlog", "swiftkv")
+    assert parse_route(Decision("base", "backlog", 12.5).header()) == ("base", "backlog", None)
+    records = [Record(i, "rag", PUBLIC, ttft_s=0.1, e2e_s=0.2, output_tokens=2, pool="base", route_reason="backlog",
+                      mode="swiftkv" if i == 0 else None) for i in range(4)]
+    assert figures(records, 1.0, 4.0, PlatformBenchConfig())["other_model_share"] == {"swiftkv": 0.25}
+    assert "other_model_share" not in figures(records[1:], 1.0, 3.0, PlatformBenchConfig())
 
 
 def test_unknown_configurations_and_bad_speculation_settings_are_refused(tmp_path):

@@ -177,6 +177,29 @@ def test_kv_events_in_plain_deployments_reach_the_gateway(tmp_path):
     assert r.returncode != 0 and "pools.base.replicas.min must be 1" in r.stderr
 
 
+def test_dual_mode_pools_start_dual_mode_servers_and_the_gateway_knows(tmp_path):
+    """A pool's dual_mode: with engine servers, each starts with the override in --hf-overrides (beside the pool's own
+    hf_overrides) and the gateway's remote pool says dual_mode; on Ray the pool's config carries it to the replicas'
+    engine args (services/config.py). With routing.kv_events it is refused before anything is deployed."""
+    from services.config import load_config
+
+    preset = ROOT / "deploy/helm/presets/plain-deployments.yaml"
+    dual = ["--set", "platform.pools.swiftkv.dual_mode=true", "--set", "platform.pools.base.dual_mode=true",
+            "--set-json", 'platform.pools.base.engine_args.hf_overrides={"rope_theta": 500000}']
+    objs = render(preset, *dual)
+    for pool, overrides in (("swiftkv", {"swiftkv_dual_mode": True}), ("base", {"rope_theta": 500000, "swiftkv_dual_mode": True})):
+        args = find(objs, "Deployment", f"engine-{pool}")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args.count("--hf-overrides") == 1 and json.loads(args[args.index("--hf-overrides") + 1]) == overrides
+    path = tmp_path / "platform.yaml"
+    path.write_text(find(objs, "ConfigMap", "platform")[0]["data"]["platform.yaml"])
+    assert all(pool.dual_mode and pool.backend == "remote" for pool in load_config(path).pools.values())
+    assert "--hf-overrides" not in find(render(preset), "Deployment", "engine-base")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    ray = yaml.safe_load(find(render(None, *dual[:4]), "RayService")[0]["spec"]["serveConfigV2"])
+    assert all(app["args"]["config"]["dual_mode"] for app in ray["applications"])
+    r = run(tool("helm"), "template", "swiftkv", CHART, *dual[:2], "--set", "platform.routing.kv_events=true", check=False)
+    assert r.returncode != 0 and "platform.pools.swiftkv.dual_mode with platform.routing.kv_events" in r.stderr
+
+
 def test_every_pod_runs_as_non_root():
     for values in VALUE_SETS:
         for obj in render(values):
@@ -202,6 +225,7 @@ def test_every_pod_runs_as_non_root():
     (["--set", "platform.pools.prefill.model=x"], 'platform.pools must be one of the following: "swiftkv", "base"'),  # a former name
     (["--set", "alerts.ttftP95Seconds=0"], "alerts.ttftP95Seconds"),
     (["--set", "trainer.enabled=yes"], "trainer.enabled"),
+    (["--set", "platform.pools.swiftkv.dual_mode=yes"], "platform.pools.swiftkv.dual_mode"),
     (["--set", "trainer.replicas=2"], "replicas"),  # one trainer: its worker loop owns the jobs
     (["--set", "trainer.persistence.size=lots"], "trainer.persistence.size"),
 ])

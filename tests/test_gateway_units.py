@@ -86,6 +86,129 @@ def test_fallback_pinned_and_single_pool():
     assert policy.decide(400, 10, only).reason == "single"
 
 
+def test_dual_mode_pools_keep_the_intended_model_where_the_request_moves():
+    """The ratio (or a pinned name) fixes the model; backlog, fallback and batch steering may move the request to the
+    other pool, where a dual-mode pool runs it as that model (`mode`, added to the route header) and any other pool as
+    its own, as before. Only the destination's dual_mode counts."""
+    policy = RoutePolicy(RoutingConfig(cache_aware=False))
+
+    def dual(swiftkv_dual: bool, base_dual: bool, **work) -> dict[str, PoolState]:
+        p = pools()
+        p["swiftkv"].dual_mode, p["base"].dual_mode = swiftkv_dual, base_dual
+        for name, tokens in work.items():
+            p[name].dispatched(tokens)
+        return p
+
+    d = policy.decide(400, 10, dual(True, True, swiftkv=5000))  # prompt-heavy at capacity: SwiftKV on the base pool
+    assert (d.pool, d.reason, d.mode) == ("base", "backlog", "swiftkv")
+    assert d.header() == "pool=base; reason=backlog; ratio=40.00; mode=swiftkv"
+    d = policy.decide(400, 10, dual(False, False, swiftkv=5000))  # two models: the base pool's own, as before
+    assert (d.pool, d.reason, d.mode) == ("base", "backlog", "base")
+    assert d.header() == "pool=base; reason=backlog; ratio=40.00"
+    d = policy.decide(20, 200, dual(True, False, base=5000))  # decode-heavy moved to a dual-mode SwiftKV pool
+    assert (d.pool, d.reason, d.mode) == ("swiftkv", "backlog", "base") and d.header().endswith("; mode=base")
+    assert policy.decide(400, 10, dual(True, False, swiftkv=5000)).mode == "base"  # the base pool is not dual-mode
+    d = policy.decide(400, 10, dual(True, True))  # no override: the pool's own model, nothing added to the header
+    assert (d.pool, d.reason, d.mode) == ("swiftkv", "ratio", "swiftkv") and "mode=" not in d.header()
+    p = dual(True, True)
+    p["swiftkv"].ready = False
+    d = policy.decide(400, 10, p)
+    assert (d.pool, d.reason, d.mode) == ("base", "fallback", "swiftkv")
+    assert policy.decide(400, 10, dual(True, True), pinned="base").mode == "base"  # the client named the base model
+    for both, mode in ((True, "swiftkv"), (False, "base")):  # a batch line leaving the live-busy SwiftKV pool
+        p = dual(both, both)
+        d = policy.steer_batch(policy.decide(400, 10, p), p, lambda pool: pool == "swiftkv")
+        assert (d.pool, d.reason, d.mode) == ("base", "batch_steered", mode)
+
+
+@pytest.mark.parametrize("dual", [True, False], ids=["dual-mode", "two-models"])
+def test_at_capacity_a_prompt_heavy_request_runs_as_swiftkv_on_a_dual_mode_base_pool(tiny_base, dual):
+    """Through the app over the fake engines, the SwiftKV pool backlogged: a prompt-heavy request goes to the base pool
+    (reason backlog); with both pools dual-mode it runs there as the SwiftKV model (the engine is asked for it, the
+    header says so, the prefix-cache index keeps its blocks as the base pool's SwiftKV ones), else as the base model
+    with nothing added. A decode-heavy request on a dual-mode base pool asks for the base model (the engine's own is
+    its SwiftKV checkpoint's); a retry on the other pool keeps the model too."""
+    import re
+
+    from harness.gateway import InProcessGateway, platform_config
+
+    cfg = platform_config(tiny_base, {"swiftkv": {"dual_mode": dual}, "base": {"dual_mode": dual}})
+    served = InProcessGateway(cfg, batch=False)
+    backends, pools_, index = served.backends, served.gateway.pools, served.gateway.policy.index
+    assert pools_["base"].dual_mode == dual
+    pools_["swiftkv"].dispatched(10_000)  # its engines' queue: 10,000 prompt tokens not yet prefilled
+
+    async def run():
+        async with served.client() as c:
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": "hello " * 100, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            assert re.fullmatch(r"pool=base; reason=backlog; ratio=[0-9.]+" + ("; mode=swiftkv" if dual else ""),
+                                r.headers["x-swiftkv-route"]), r.headers["x-swiftkv-route"]
+            assert [q.mode for q in backends["base"].requests] == ["swiftkv" if dual else None] and not backends["swiftkv"].requests
+            assert (index.blocks("base+swiftkv") > 0, index.blocks("base") > 0) == (dual, not dual)
+
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 100})
+            assert r.status_code == 200 and r.headers["x-swiftkv-route"].startswith("pool=base; reason=ratio")
+            assert "mode=" not in r.headers["x-swiftkv-route"]
+            assert backends["base"].requests[-1].mode == ("base" if dual else None)
+
+            pools_["swiftkv"].backlog_tokens = 0  # the queue drained; then the SwiftKV pool fails before its first token
+            backends["swiftkv"].error = BackendDown("pool swiftkv: engines restarting")
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": "world " * 100, "max_tokens": 1})  # not cached
+            assert r.status_code == 200 and r.headers["x-swiftkv-route"].startswith("pool=swiftkv; reason=ratio"), r.text
+            retry = backends["base"].requests[-1]
+            assert retry.request_id.endswith("-r") and retry.mode == ("swiftkv" if dual else None)
+
+    asyncio.run(run())
+
+
+def test_a_dual_mode_pool_starts_dual_mode_engines_and_is_refused_where_it_cannot_work(tiny_base, tmp_path):
+    """dual_mode: the pool's engines start with the override beside its own hf_overrides (the pool's engine_args left
+    as written); refused with routing.kv_events, and by `swiftkv serve` for a local model that is not a SwiftKV
+    checkpoint."""
+    import json
+
+    import typer
+
+    from services.config import PoolConfig
+    from services.platform import _check_models, dual_mode_refusal
+    from services.serving.pools import engine_args_with_kv_events
+
+    own = {"max_model_len": 512, "hf_overrides": {"rope_theta": 1e6}}
+    pool = PoolConfig(model="m", dual_mode=True, engine_args=own, speculative={"method": "ngram", "num_speculative_tokens": 2})
+    args = pool.vllm_engine_args()
+    assert args["hf_overrides"] == {"rope_theta": 1e6, "swiftkv_dual_mode": True}
+    assert args["max_model_len"] == 512 and args["speculative_config"]["method"] == "ngram"
+    assert pool.engine_args["hf_overrides"] == {"rope_theta": 1e6}
+    assert PoolConfig(model="m", dual_mode=True).vllm_engine_args() == {"hf_overrides": {"swiftkv_dual_mode": True}}
+    assert PoolConfig(model="m", engine_args=own).vllm_engine_args() == own  # not dual-mode: as before
+    cfg = PlatformConfig(model="m", pools={"swiftkv": {"model": "m", "dual_mode": True}, "base": {"model": "m"}})
+    assert engine_args_with_kv_events("swiftkv", cfg.pools["swiftkv"], cfg)["hf_overrides"] == {"swiftkv_dual_mode": True}
+    assert "hf_overrides" not in engine_args_with_kv_events("base", cfg.pools["base"], cfg)
+
+    with pytest.raises(ValueError, match=r"pools\.swiftkv\.dual_mode with routing\.kv_events: the gateway's block hashes do "
+                                         r"not include vLLM's cache salt"):
+        PlatformConfig(model="m", pools={"swiftkv": {"model": "m", "dual_mode": True}}, routing={"kv_events": True})
+    assert not PlatformConfig(model="m", pools={"swiftkv": {"model": "m"}}, routing={"kv_events": True}).pools["swiftkv"].dual_mode
+
+    swiftkv = tmp_path / "swiftkv"
+    swiftkv.mkdir()
+    (swiftkv / "config.json").write_text(json.dumps({"architectures": ["LlamaSwiftKVForCausalLM"]}))
+    for model, refused in ((str(tiny_base), True), (str(swiftkv), False)):
+        cfg = PlatformConfig(model="m", pools={"swiftkv": {"model": model, "dual_mode": True}})
+        refusal = dual_mode_refusal("swiftkv", cfg.pools["swiftkv"])
+        assert (refusal is not None) == refused, refusal
+        if refused:
+            assert "pools.swiftkv.dual_mode needs a SwiftKV checkpoint" in refusal and "LlamaForCausalLM" in refusal
+            with pytest.raises(typer.Exit):
+                _check_models(cfg)
+        else:
+            _check_models(cfg)
+    assert dual_mode_refusal("base", PoolConfig(model=str(tiny_base))) is None  # not dual-mode
+    remote = PoolConfig(model=str(tiny_base), backend="remote", url="http://a:8000", dual_mode=True)
+    assert dual_mode_refusal("base", remote) is None  # the server's checkpoint is not ours to read
+
+
 def test_live_busy_from_dispatch_to_the_end_and_a_quiet_time_after():
     pool = pools()["swiftkv"]
     assert not pool.live_busy(2.0)
@@ -360,6 +483,27 @@ def test_vllm_gets_every_sampling_option():
     assert params.structured_outputs.choice == ["a", "b"]
     bare = to_sampling_params(SamplingOptions(max_tokens=3))
     assert bare.stop == [] and bare.stop_token_ids == [] and bare.logit_bias is None and bare.structured_outputs is None
+
+
+def test_a_base_mode_request_asks_the_in_process_engine_for_the_base_model():
+    """The prompt and SamplingParams an in-process (or Ray replica's) engine gets: a base-mode request carries the mode
+    in extra_args and the base mode's prefix-cache salt (swiftkv_core/dual_mode.py); a SwiftKV-mode request and one
+    without a mode carry neither, as before."""
+    pytest.importorskip("vllm")
+    from services.serving.backend import GenerateRequest, SamplingOptions
+    from services.serving.engine import engine_inputs
+
+    def inputs(mode):
+        return engine_inputs(GenerateRequest("r", [5, 6, 7], SamplingOptions(max_tokens=3, seed=1), mode=mode))
+
+    prompt, params = inputs("base")
+    assert prompt == {"prompt_token_ids": [5, 6, 7], "cache_salt": "swiftkv-base-mode"}
+    assert params.extra_args == {"swiftkv_mode": "base"} and (params.max_tokens, params.seed) == (3, 1)
+    for mode in (None, "swiftkv"):
+        prompt, params = inputs(mode)
+        assert prompt == {"prompt_token_ids": [5, 6, 7]} and params.extra_args is None, mode
+    with pytest.raises(ValueError, match="unknown SwiftKV engine mode"):
+        inputs("fast")
 
 
 @pytest.mark.parametrize("choice,parallel", [("required", None), ("required", False), ({"type": "function", "function": {"name": "g"}}, None)])

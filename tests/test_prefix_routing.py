@@ -16,7 +16,7 @@ from harness.metrics import parse
 
 from services.common.prefix_index import PrefixIndex, block_hashes
 from services.config import RoutingConfig
-from services.gateway.routing import PoolState, RoutePolicy
+from services.gateway.routing import PoolState, RoutePolicy, cache_key
 from services.serving.backend import BackendDown
 
 BS = 16
@@ -243,6 +243,44 @@ def test_the_backlog_override_counts_what_is_cached():
     policy.index.record("swiftkv", policy.blocks(history))
     d = policy.decide(len(turn2), 10, pools(swiftkv=5000, base=500), blocks=policy.blocks(turn2))
     assert (d.pool, d.reason) == ("swiftkv", "ratio")
+
+
+def test_dual_mode_pools_keep_each_models_cached_blocks_apart():
+    """A dual-mode engine never shares a prefix between its two models (vLLM salts the base model's blocks), so the index
+    keys blocks by pool and model: `base` for the base pool's own model, `base+swiftkv` for the SwiftKV model on it.
+    A history the base pool holds as SwiftKV draws the next prompt-heavy turn there as SwiftKV (reason prefix), and
+    counts for nothing as the base model or where the pools are not dual-mode. The engine's capacity bounds both
+    models' entries; a pool going down forgets both."""
+    policy = cache_aware()
+    assert (cache_key("base"), cache_key("base", "base"), cache_key("base", "swiftkv")) == ("base", "base", "base+swiftkv")
+    history = tokens(2000, 11)
+    policy.index.record(cache_key("base", "swiftkv"), policy.blocks(history))
+    turn2 = history + tokens(100, 12)
+    blocks = policy.blocks(turn2)
+    p = pools()
+    p["swiftkv"].dual_mode = p["base"].dual_mode = True
+    d = policy.decide(len(turn2), 10, p, blocks=blocks)
+    assert (d.pool, d.reason, d.mode) == ("base", "prefix", "swiftkv")
+    assert policy.cached_tokens("base", len(turn2), blocks, "swiftkv") == 2000 // BS * BS
+    assert policy.cached_tokens("base", len(turn2), blocks) == 0  # as the base model: cold
+    d = policy.decide(len(turn2), 10, pools(), blocks=blocks)  # two models: the SwiftKV blocks are nowhere to be used
+    assert (d.pool, d.reason, d.mode) == ("swiftkv", "ratio", "swiftkv")
+
+    # A history answered by the base model on a dual-mode pool keeps the next (prompt-heavy) turn there, as the base
+    # model: the prefix override may switch the model, as it does between two single-model pools.
+    answered = tokens(1500, 13)
+    policy.index.record("base", policy.blocks(answered))
+    turn = answered + tokens(100, 14)
+    d = policy.decide(len(turn), 10, p, blocks=policy.blocks(turn))
+    assert (d.pool, d.reason, d.mode) == ("base", "prefix", "base")
+    assert d.header().endswith("reason=prefix; ratio=160.00")  # the pool's own model: no mode in the header
+
+    policy.adopt_engine_cache("base", BS, BS * 10)
+    policy.index.record(cache_key("base", "swiftkv"), blocks)
+    policy.index.record("base", blocks)
+    assert (policy.index.blocks("base+swiftkv"), policy.index.blocks("base")) == (10, 10)
+    policy.forget("base")
+    assert (policy.index.blocks("base+swiftkv"), policy.index.blocks("base")) == (0, 0)
 
 
 # ---- through the gateway -----------------------------------------------------------------------------------------

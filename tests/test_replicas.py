@@ -1,6 +1,7 @@
 """Replica choice inside a pool of several servers (services/serving/replicas.py): prefix affinity by rendezvous hashing
 of the distinctive prefix, bounded by load; a replica down is left out. The chooser alone, then a ReplicaSet of real
-RemoteBackends over two real HTTP servers (the gateway's app over the fake backend, as OpenAI-compatible upstreams)."""
+RemoteBackends over two real HTTP servers (the gateway's app over the fake backend, as OpenAI-compatible upstreams),
+and what a remote pool's servers are sent for a dual-mode engine's base-mode request (a recording HTTP server)."""
 
 from __future__ import annotations
 
@@ -136,6 +137,74 @@ def test_replicas_over_http_keep_affinity_and_route_around_a_replica_that_is_dow
             await pool.stop()
 
         asyncio.run(run())
+
+
+class RecordingUpstream:
+    """A real HTTP server standing in for a vLLM OpenAI server: it keeps each /v1/completions body it receives and
+    streams a one-token answer."""
+
+    def __init__(self):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        bodies = self.bodies = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}], "usage": {"completion_tokens": 1}}
+                payload = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_base_mode_request_asks_a_dual_mode_server_for_the_base_model():
+    """Over real HTTP, a RemoteBackend alone and a ReplicaSet of them (which passes the request on as it came): a
+    base-mode request carries vLLM's vllm_xargs {"swiftkv_mode": "base"} and the base mode's cache_salt; a request
+    without a mode or in SwiftKV mode carries neither (other servers never see the fields)."""
+    upstreams = [RecordingUpstream(), RecordingUpstream()]
+
+    async def send(backend, mode) -> dict:
+        outs = [out async for out in backend.generate(GenerateRequest("r", tokens(30, 1), SamplingOptions(max_tokens=1), mode=mode))]
+        assert sum(c.num_tokens for o in outs for c in o.choices) == 1
+        return next(u.bodies.pop() for u in upstreams if u.bodies)
+
+    async def run():
+        single = RemoteBackend("base", upstreams[0].url, "m")
+        replicas = {str(i): RemoteBackend("base", u.url, "m") for i, u in enumerate(upstreams)}
+        pool = ReplicaSet("base", replicas, chooser(tuple(replicas)))
+        try:
+            for backend in (single, pool):
+                body = await send(backend, "base")
+                assert (body["vllm_xargs"], body["cache_salt"]) == ({"swiftkv_mode": "base"}, "swiftkv-base-mode")
+                assert body["model"] == "m" and body["prompt"] == tokens(30, 1)
+                for mode in (None, "swiftkv"):
+                    body = await send(backend, mode)
+                    assert "vllm_xargs" not in body and "cache_salt" not in body, mode
+        finally:
+            await single.stop()
+            await pool.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        for u in upstreams:
+            u.close()
 
 
 def test_the_ray_serve_router_ranks_the_prefixs_replica_first_within_the_load_bound():

@@ -17,7 +17,7 @@ from services.serving.backend import BackendDown, GenerateRequest, Output
 from . import metrics
 from .admission import AdmittedRequest
 from .rate_limits import RateLimiter
-from .routing import Decision, Ewma, NoPoolAvailable, PoolState, RoutePolicy
+from .routing import Decision, Ewma, NoPoolAvailable, PoolState, RoutePolicy, cache_key
 
 log = logging.getLogger("swiftkv.gateway")
 
@@ -47,7 +47,7 @@ class Dispatcher:
         out, the request is tried once more on another ready pool (not for a pinned pool), chosen on the same
         prompt tokens and expected output as the first choice. The first attempt's reservation was settled at 0
         by `tracked`, so the retry is charged again (without a 429 check: the request was already admitted)."""
-        request, model = admitted.generate, admitted.request.model
+        request, model = self.as_routed(admitted.generate, decision), admitted.request.model
         sent = False
         try:
             async with aclosing(self.tracked(self.pools[decision.pool], model, request, t0, admitted, source,
@@ -72,10 +72,16 @@ class Dispatcher:
         metrics.retries.labels(decision.pool, again.pool).inc()
         if admitted.reserved is not None:
             await self.limiter.charge(admitted.identity, admitted.reserved)
-        retry = dataclasses.replace(request, request_id=f"{request.request_id}-r")
+        retry = self.as_routed(dataclasses.replace(request, request_id=f"{request.request_id}-r"), again)
         async with aclosing(self.tracked(self.pools[again.pool], model, retry, t0, admitted, source, again.blocks)) as stream:
             async for out in stream:
                 yield out
+
+    def as_routed(self, request: GenerateRequest, decision: Decision) -> GenerateRequest:
+        """The request as the decided pool's backend gets it: a dual-mode pool's engines are told the model to run it as
+        (their own, without it, is the SwiftKV checkpoint's); any other pool's runs its own, as before."""
+        mode = decision.mode if self.pools[decision.pool].dual_mode else None
+        return request if mode == request.mode else dataclasses.replace(request, mode=mode)
 
     async def tracked(self, pool: PoolState, model: str, request: GenerateRequest, t0: float, admitted: AdmittedRequest,
                       source: str = "live", blocks: Sequence[bytes] = ()) -> AsyncIterator[Output]:
@@ -86,7 +92,7 @@ class Dispatcher:
         m = metrics.for_pool(pool.name, model, source)
         m.in_flight.inc()
         m.prompt_tokens.inc(prompt_tokens)
-        prefill_tokens = prompt_tokens - self.note_prefix(pool, prompt_tokens, blocks)
+        prefill_tokens = prompt_tokens - self.note_prefix(pool, request.mode, prompt_tokens, blocks)
         # set beside the measured TTFT (swiftkv_time_to_first_token_seconds): a wrong cost model shows up there
         metrics.predicted_ttft.labels(pool.name).observe(pool.ttft_seconds(prefill_tokens))
         expected_output = admitted.expected_output * max(request.sampling.n, 1)
@@ -128,7 +134,7 @@ class Dispatcher:
         finally:
             end = time.perf_counter()
             if answer_ids and status != "error":
-                self.note_answer(pool, request.prompt_token_ids, blocks, answer_ids)
+                self.note_answer(pool, request.mode, request.prompt_token_ids, blocks, answer_ids)
             if live:
                 pool.live_ended()
             if first_at is None:
@@ -146,29 +152,31 @@ class Dispatcher:
             if admitted.reserved is not None:  # charge what was generated, beyond the reservation too
                 self.settle_later(admitted.identity, admitted.reserved, generated)
 
-    def note_prefix(self, pool: PoolState, prompt_tokens: int, blocks: Sequence[bytes]) -> int:
-        """Cache-aware routing: the prompt tokens the pool should find cached (returned; counted in the metrics, to check
-        the index against vLLM's own prefix-cache hits), then the prompt's blocks as the pool's most recently used:
-        vLLM caches them as it prefills. 0 without an index."""
+    def note_prefix(self, pool: PoolState, mode: str | None, prompt_tokens: int, blocks: Sequence[bytes]) -> int:
+        """Cache-aware routing: the prompt tokens the pool should find cached for the model `mode` it runs the request as
+        (None: its own; returned, and counted in the metrics, to check the index against vLLM's own prefix-cache hits),
+        then the prompt's blocks as the most recently used of that pool and model: vLLM caches them as it prefills. 0
+        without an index."""
         index = self.policy.index
         if index is None:
             return 0
-        cached = self.policy.cached_tokens(pool.name, prompt_tokens, blocks)
+        cached = self.policy.cached_tokens(pool.name, prompt_tokens, blocks, mode)
         metrics.prefix_cached_tokens.labels(pool.name).inc(cached)
-        index.record(pool.name, blocks)
+        index.record(cache_key(pool.name, mode), blocks)
         return cached
 
-    def note_answer(self, pool: PoolState, prompt_token_ids: Sequence[int], blocks: Sequence[bytes], answer_ids: Sequence[int]) -> None:
+    def note_answer(self, pool: PoolState, mode: str | None, prompt_token_ids: Sequence[int], blocks: Sequence[bytes],
+                    answer_ids: Sequence[int]) -> None:
         """The blocks that prompt and answer filled, as vLLM caches them: every token but the last sampled one has
         its KV computed, so a conversation's next turn (the history, then this answer, then a new question) finds
-        them in the pool that answered. Hashed on from the prompt's last full block (`blocks`, hashed at dispatch)."""
+        them in the pool (and model) that answered. Hashed on from the prompt's last full block (`blocks`, hashed at dispatch)."""
         index = self.policy.index
         if index is None:
             return
         computed = [*prompt_token_ids, *answer_ids][:-1]
         more = index.hashes(computed[len(blocks) * index.block_size:], parent=blocks[-1] if blocks else None)
         if more:
-            index.record(pool.name, [*blocks, *more])
+            index.record(cache_key(pool.name, mode), [*blocks, *more])
 
     def settle_later(self, identity: str, reserved: int, generated: int) -> None:
         """Settle an output reservation in a task of its own: it completes even while the request's own task

@@ -3,7 +3,8 @@
 extensions and the server share: the config, keys, prompter, pools and the CPU pool.
 
 One public model name maps to the pools (routed by prompt/output ratio); each pool's own model name
-bypasses routing. Every response carries `x-swiftkv-route: pool=...; reason=...; ratio=...`.
+bypasses routing. Every response carries `x-swiftkv-route: pool=...; reason=...; ratio=...` (then `; mode=...` where a
+dual-mode pool runs the other pool's model).
 """
 
 from __future__ import annotations

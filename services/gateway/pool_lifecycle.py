@@ -29,7 +29,8 @@ class PoolLifecycle:
         self.on_down = on_down  # told the name of a pool found down (its engine comes back with an empty prefix cache)
         self.on_cache = on_cache  # told a started pool's KV-cache block size and capacity in tokens, where it reports them
         self.pools = {
-            name: PoolState(name, backend, cfg.served_name(name), max_model_len(cfg.pools[name].model, cfg.pools[name].engine_args))
+            name: PoolState(name, backend, cfg.served_name(name), max_model_len(cfg.pools[name].model, cfg.pools[name].engine_args),
+                            dual_mode=cfg.pools[name].dual_mode)
             for name, backend in backends.items()
         }
         # A pool that is down is checked again within a health period: when to try again after a 503.

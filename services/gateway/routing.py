@@ -18,7 +18,16 @@ override it:
   is lower even with the cold prefill. Only the cached tokens beyond `prefix_min_distinct_tokens` count (a system
   prompt everyone shares must not pin traffic), and a pool's load counts against its cache (no hotspot).
 
-Reasons (a small fixed set, used as a metric label and in the `x-swiftkv-route` header):
+The intent (the ratio, or a pool's own model name) fixes the model that runs the request (`Decision.mode`). Where the
+overrides (or a fallback) move it to the other pool and that pool is dual-mode (its engines run the SwiftKV checkpoint
+and serve both models per request, swiftkv_core/dual_mode.py), it runs there as the intended model: only the engine
+changed, and prompt-heavy traffic at capacity runs as SwiftKV on both pools. Moved to a pool that is not, it runs as
+that pool's model. The prefix override may also switch the model on a dual-mode pool, to where the prompt is cached
+(a conversation's history answered by the base model keeps its next turn there). The two models' prefix-cache blocks are never shared, so the index keys a pool's blocks by the
+model too (`cache_key`: the pool's name for its own model, `base+swiftkv` for the SwiftKV model on the base pool).
+
+Reasons (a small fixed set, used as a metric label and in the `x-swiftkv-route` header, `pool=...; reason=...;
+ratio=...`, then `; mode=...` where the model is not the pool's own):
   ratio      the prompt/output ratio chose the pool
   backlog    the ratio's pool holds more predicted work than the other by more than the margin
   prefix     the other pool holds more of the prompt in its prefix cache and predicts less work for it
@@ -68,6 +77,7 @@ class PoolState:
     served_model_name: str
     max_model_len: int | None = None
     ready: bool = False
+    dual_mode: bool = False  # its engines serve both models, per request (the pool config's dual_mode)
     backlog_tokens: int = 0  # dispatched prompt tokens not found cached whose first token has not come back
     decode_tokens: int = 0  # expected output tokens of the requests dispatched here that have not ended
     # prompt tokens prefilled per second of an engine's prefill (time to first token less its queue wait, where the
@@ -131,6 +141,11 @@ class PoolState:
             metrics.pool_prefill_rate.labels(self.name).set(self.prefill_rate.value)
 
 
+def cache_key(pool: str, mode: str | None = None) -> str:
+    """The prefix-cache index's target for `pool`'s blocks of the model `mode`: the pool's name for its own model."""
+    return pool if mode in (None, pool) else f"{pool}+{mode}"
+
+
 @dataclass(frozen=True)
 class Decision:
     pool: str
@@ -138,9 +153,15 @@ class Decision:
     ratio: float
     # the prompt's prefix-cache block hashes (cache_aware routing), hashed once for the decision, a retry and the index
     blocks: tuple[bytes, ...] = field(default=(), repr=False, compare=False)
+    mode: str | None = None  # the model that runs it, swiftkv or base: the pool's own (None) unless a dual-mode pool's other
+
+    def __post_init__(self) -> None:
+        if self.mode is None:
+            object.__setattr__(self, "mode", self.pool)
 
     def header(self) -> str:
-        return f"pool={self.pool}; reason={self.reason}; ratio={self.ratio:.2f}"
+        own = self.mode == self.pool
+        return f"pool={self.pool}; reason={self.reason}; ratio={self.ratio:.2f}" + ("" if own else f"; mode={self.mode}")
 
 
 class NoPoolAvailable(Exception):
@@ -168,7 +189,8 @@ class RoutePolicy:
         if self.cfg.prefix_cache_tokens is None:
             self._capacities[pool] = capacity_tokens
         for name, tokens in self._capacities.items():
-            self.index.set_capacity(name, tokens // self.index.block_size)
+            for mode in POOL_NAMES:  # a dual-mode engine's blocks of either model share its cache
+                self.index.set_capacity(cache_key(name, mode), tokens // self.index.block_size)
 
     def blocks(self, prompt_token_ids: Sequence[int]) -> tuple[bytes, ...]:
         """The prompt's block hashes when routing is cache-aware (else none: nothing to hash)."""
@@ -177,7 +199,8 @@ class RoutePolicy:
     def forget(self, pool: str) -> None:
         """The pool went down: whatever it held in its prefix cache is gone."""
         if self.index is not None:
-            self.index.forget(pool)
+            for mode in POOL_NAMES:
+                self.index.forget(cache_key(pool, mode))
         if pool in self._servers:
             self._servers[pool].forget()
 
@@ -212,12 +235,13 @@ class RoutePolicy:
         feed.start()
         return feed
 
-    def cached_tokens(self, pool: str, prompt_tokens: int, blocks: Sequence[bytes]) -> int:
-        """Prompt tokens `pool` should find in its prefix cache; never the last one (vLLM computes at least one)."""
+    def cached_tokens(self, pool: str, prompt_tokens: int, blocks: Sequence[bytes], mode: str | None = None) -> int:
+        """Prompt tokens `pool` should find in its prefix cache for the model `mode` (None: its own); never the last one
+        (vLLM computes at least one)."""
         if self.index is None or not blocks:
             return 0
         bs = self.index.block_size
-        return min(self.index.cached_tokens(pool, blocks), (prompt_tokens - 1) // bs * bs)
+        return min(self.index.cached_tokens(cache_key(pool, mode), blocks), (prompt_tokens - 1) // bs * bs)
 
     def decide(self, prompt_tokens: int, expected_output: int, pools: dict[str, PoolState], pinned: str | None = None,
                blocks: Sequence[bytes] = ()) -> Decision:
@@ -236,32 +260,44 @@ class RoutePolicy:
             return Decision(only.name, "single", ratio, blocks)
         chosen = SWIFTKV if ratio >= self.cfg.ratio_threshold else BASE
         other = BASE if chosen == SWIFTKV else SWIFTKV
+        there = chosen if pools[other].dual_mode else other  # the model the request runs as, moved to the other pool
         if not pools[chosen].ready:
             if not pools[other].ready:
                 raise NoPoolAvailable("no pool is available")
-            return Decision(other, "fallback", ratio, blocks)
+            return Decision(other, "fallback", ratio, blocks, there)
         if pools[other].ready:
             # Cached tokens up to the distinctive minimum count for nothing: a prefix every request shares would
             # otherwise pull all traffic to the pool that happens to hold it.
             floor = self.cfg.prefix_min_distinct_tokens
-            mine_cached = max(0, self.cached_tokens(chosen, prompt_tokens, blocks) - floor)
-            theirs_cached = max(0, self.cached_tokens(other, prompt_tokens, blocks) - floor)
+
+            def cached(pool: str, mode: str) -> int:
+                return max(0, self.cached_tokens(pool, prompt_tokens, blocks, mode) - floor)
+
+            def work(pool: str, mode: str) -> float:
+                return pools[pool].work(self.cfg.decode_token_cost) + own - cached(pool, mode)
+
             own = prompt_tokens + self.cfg.decode_token_cost * expected_output
-            mine = pools[chosen].work(self.cfg.decode_token_cost) + own - mine_cached
-            theirs = pools[other].work(self.cfg.decode_token_cost) + own - theirs_cached
-            if theirs_cached > mine_cached and theirs < mine:
-                return Decision(other, "prefix", ratio, blocks)
+            mine_cached, mine = cached(chosen, chosen), work(chosen, chosen)
+            # Where else the prompt may be cached: the other pool as the model it would run there, and on a dual-mode
+            # pool either model (a conversation's history cached as the base model keeps its next turn there, as it
+            # would between two single-model pools).
+            elsewhere = {(other, there)} | {(p, m) for p in pools if pools[p].dual_mode for m in POOL_NAMES}
+            best = max(sorted(elsewhere - {(chosen, chosen)}), key=lambda pm: cached(*pm))
+            if cached(*best) > mine_cached and work(*best) < mine:
+                return Decision(best[0], "prefix", ratio, blocks, best[1])
+            theirs = work(other, there)
             if self.cfg.balance and mine - theirs > self.cfg.balance_margin_tokens:
-                return Decision(other, "backlog", ratio, blocks)
+                return Decision(other, "backlog", ratio, blocks, there)
         return Decision(chosen, "ratio", ratio, blocks)
 
     def steer_batch(self, decision: Decision, pools: dict[str, PoolState], live_busy: Callable[[str], bool]) -> Decision:
         """A batch line's route, away from live traffic: a line whose pool is live-busy moves to a ready pool
         that is not, when that pool serves at least the line's quality (`STEER_TO`: SwiftKV -> base model,
-        never the reverse); a pinned line stays where the client sent it."""
+        never the reverse; a dual-mode pool runs it as the same model); a pinned line stays where the client sent it."""
         to = STEER_TO.get(decision.pool)
         if decision.reason == "pinned" or to not in pools or not pools[to].ready:
             return decision
         if not live_busy(decision.pool) or live_busy(to):
             return decision
-        return dataclasses.replace(decision, pool=to, reason="batch_steered")
+        mode = decision.mode if pools[to].dual_mode else to
+        return dataclasses.replace(decision, pool=to, reason="batch_steered", mode=mode)

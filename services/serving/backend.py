@@ -49,6 +49,8 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     priority: int = 0  # vLLM's: lower is scheduled first (engines with scheduling_policy=priority; FCFS ignores it)
+    # the model a dual-mode engine runs it as, "swiftkv" or "base" (swiftkv_core/dual_mode.py); None: the engine's own model
+    mode: str | None = None
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from services.common.kv_events import local_endpoint
+from swiftkv_core.dual_mode import cache_salt, extra_args
 from swiftkv_core.interrupts import shield_children
 
 from .backend import BackendDown, BackendError, BadRequest, ChoiceDelta, GenerateRequest, Output, SamplingOptions, TokenLogprob
@@ -102,6 +103,18 @@ def to_sampling_params(options: SamplingOptions):
     structured = params.pop("structured")
     return SamplingParams(**params, structured_outputs=StructuredOutputsParams(**structured) if structured else None,
                           output_kind=RequestOutputKind.DELTA)
+
+
+def engine_inputs(request: GenerateRequest) -> tuple[dict, Any]:
+    """The prompt and SamplingParams `AsyncLLM.generate` takes for `request`: a dual-mode engine's base-mode request
+    carries the mode in its extra_args and its prefix-cache salt in the prompt (swiftkv_core/dual_mode.py)."""
+    params = to_sampling_params(request.sampling)
+    params.extra_args = extra_args(request.mode)
+    prompt = {"prompt_token_ids": request.prompt_token_ids}
+    salt = cache_salt(request.mode)
+    if salt is not None:
+        prompt["cache_salt"] = salt
+    return prompt, params
 
 
 def _logprobs(token_ids, entries, k: int) -> list[TokenLogprob]:
@@ -229,10 +242,9 @@ class VLLMEngine:
         if self.llm is None:
             raise BackendDown(f"pool {self.name}: engine not started")
         try:
-            params = to_sampling_params(request.sampling)
+            prompt, params = engine_inputs(request)
         except ValueError as e:  # vLLM's own checks of the parameters
             raise BadRequest(str(e)) from e
-        prompt = {"prompt_token_ids": request.prompt_token_ids}
         prefilled = False
         try:
             async for out in self.llm.generate(prompt, params, request.request_id, priority=request.priority):

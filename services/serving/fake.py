@@ -21,7 +21,8 @@ class FakeBackend:
     it reports for every token it answers (as an in-process engine reports its tokens' ids). `check`, when given, sees
     each request first and may refuse it (raise BadRequest) as an engine would; `kv_events`, the endpoints where its
     engines would publish KV-cache events (a test publishes there). It keeps every
-    request it was sent (`requests`; none with `record` False, for a load test's millions) and counts `waiting` (at the
+    request it was sent (`requests`, each with the `mode` it asked a dual-mode engine for; none with `record` False, for
+    a load test's millions) and counts `waiting` (at the
     gate), `served` (past the gate) and `aborted`."""
     starts_alongside = False
 

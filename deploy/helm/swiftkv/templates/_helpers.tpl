@@ -87,6 +87,11 @@ swiftkv-{{ . }}
 {{- end -}}
 
 {{- define "swiftkv.platformConfig" -}}
+{{- range $name, $pool := .Values.platform.pools -}}
+{{- if and $pool.dual_mode ($.Values.platform.routing | default dict).kv_events -}}
+{{- fail (printf "platform.pools.%s.dual_mode with platform.routing.kv_events: the gateway's block hashes do not include vLLM's cache salt yet, so a dual-mode engine's base-mode events would not match them; turn kv_events off" $name) -}}
+{{- end -}}
+{{- end -}}
 {{- $cfg := deepCopy .Values.platform -}}
 {{- $_ := set $cfg "host" "0.0.0.0" -}}
 {{- $_ := set $cfg "port" (int .Values.gateway.port) -}}
@@ -109,6 +114,9 @@ swiftkv-{{ . }}
 {{- $remote := dict "backend" "remote" "model" $pool.model "tokenizer" ($pool.tokenizer | default $pool.model) "served_model_name" $served "url" (printf "http://%s:8000/v1" (include "swiftkv.poolService" (list $ $name))) -}}
 {{- if include "swiftkv.kvEvents" $ -}}
 {{- $_ := set $remote "kv_events_endpoint" (printf "tcp://%s:5557" (include "swiftkv.poolService" (list $ $name))) -}}
+{{- end -}}
+{{- if $pool.dual_mode -}}
+{{- $_ := set $remote "dual_mode" true -}}
 {{- end -}}
 {{- $_ := set $pools $name $remote -}}
 {{- end -}}
