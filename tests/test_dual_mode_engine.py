@@ -109,3 +109,36 @@ def test_a_checkpoint_that_cannot_serve_its_base_model_is_refused(layout, messag
     l = layout.get("num_key_value_layers", 4)
     with pytest.raises(SwiftKVConfigError, match=message):
         _check_dual_mode(config, l, 8, layout.get("key_value_group_size", 1))
+
+
+def test_the_in_process_backend_asks_a_dual_mode_engine_for_each_model(offline_engines, tiny_swiftkv, ref):
+    """What the gateway sends: a dual-mode pool's engine args (PoolConfig) and a GenerateRequest's mode, through the
+    in-process backend (vLLM's AsyncLLM, its engine core in its own process) to the model: base mode answers as the
+    base model, SwiftKV mode as the SwiftKV model, on one engine."""
+    import asyncio
+
+    from harness.engines import LLM_ARGS
+
+    from services.config import PoolConfig
+    from services.serving.backend import GenerateRequest, SamplingOptions
+    from services.serving.engine import InProcessBackend
+
+    offline_engines.close()  # one engine at a time on two cores
+    pool = PoolConfig(model=str(tiny_swiftkv), engine_args=dict(LLM_ARGS), dual_mode=True)
+    backend = InProcessBackend("swiftkv", pool.model, "tiny-swiftkv", pool.vllm_engine_args(), warmup=False)
+    p = prompt(70, seed=60)
+
+    async def answer(mode):
+        request = GenerateRequest(f"dual-{mode}", p, SamplingOptions(max_tokens=12, temperature=0, ignore_eos=True), mode=mode)
+        return [t async for out in backend.generate(request) for t in out.choices[0].token_ids]
+
+    async def both():
+        await backend.start()
+        try:
+            return await asyncio.gather(answer("base"), answer("swiftkv"))
+        finally:
+            await backend.stop()
+
+    base, swiftkv = asyncio.run(both())
+    assert base == ref.greedy_generate(p, 12, swiftkv=False)
+    assert swiftkv == ref.greedy_generate(p, 12, swiftkv=True) != base

@@ -110,6 +110,12 @@ def test_dual_mode_pools_keep_the_intended_model_where_the_request_moves():
     assert policy.decide(400, 10, dual(True, False, swiftkv=5000)).mode == "base"  # the base pool is not dual-mode
     d = policy.decide(400, 10, dual(True, True))  # no override: the pool's own model, nothing added to the header
     assert (d.pool, d.reason, d.mode) == ("swiftkv", "ratio", "swiftkv") and "mode=" not in d.header()
+    # Both engines would run the same model: the less loaded one serves, with no margin (two models: the margin
+    # keeps the intended model).
+    d = policy.decide(400, 10, dual(True, True, swiftkv=100))
+    assert (d.pool, d.reason, d.mode) == ("base", "backlog", "swiftkv")
+    assert policy.decide(400, 10, dual(False, False, swiftkv=100)).reason == "ratio"
+    assert policy.decide(400, 10, dual(True, True, swiftkv=100, base=100)).reason == "ratio"  # a tie: the intent's pool
     p = dual(True, True)
     p["swiftkv"].ready = False
     d = policy.decide(400, 10, p)

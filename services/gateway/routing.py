@@ -21,7 +21,8 @@ override it:
 The intent (the ratio, or a pool's own model name) fixes the model that runs the request (`Decision.mode`). Where the
 overrides (or a fallback) move it to the other pool and that pool is dual-mode (its engines run the SwiftKV checkpoint
 and serve both models per request, swiftkv_core/dual_mode.py), it runs there as the intended model: only the engine
-changed, and prompt-heavy traffic at capacity runs as SwiftKV on both pools. Moved to a pool that is not, it runs as
+changed, and prompt-heavy traffic at capacity runs as SwiftKV on both pools. As both engines then run the same model
+for it, the less loaded one serves it (no `balance_margin_tokens`). Moved to a pool that is not, it runs as
 that pool's model. The prefix override may also switch the model on a dual-mode pool, to where the prompt is cached
 (a conversation's history answered by the base model keeps its next turn there). The two models' prefix-cache blocks are never shared, so the index keys a pool's blocks by the
 model too (`cache_key`: the pool's name for its own model, `base+swiftkv` for the SwiftKV model on the base pool).
@@ -286,7 +287,10 @@ class RoutePolicy:
             if cached(*best) > mine_cached and work(*best) < mine:
                 return Decision(best[0], "prefix", ratio, blocks, best[1])
             theirs = work(other, there)
-            if self.cfg.balance and mine - theirs > self.cfg.balance_margin_tokens:
+            # The margin keeps the intended model at low load; where the other pool would run the same model (dual
+            # mode) the two engines are alike for this request, and the less loaded one serves it.
+            margin = 0 if there == chosen else self.cfg.balance_margin_tokens
+            if self.cfg.balance and mine - theirs > margin:
                 return Decision(other, "backlog", ratio, blocks, there)
         return Decision(chosen, "ratio", ratio, blocks)
 
