@@ -142,3 +142,26 @@ def test_the_in_process_backend_asks_a_dual_mode_engine_for_each_model(offline_e
     base, swiftkv = asyncio.run(both())
     assert base == ref.greedy_generate(p, 12, swiftkv=False)
     assert swiftkv == ref.greedy_generate(p, 12, swiftkv=True) != base
+
+
+@pytest.mark.slow
+def test_both_modes_verify_drafts_exactly(offline_engines, tiny_swiftkv, ref):
+    """Under n-gram speculative decoding (the default platform's, on CPUs): a SwiftKV request's later layers keep its
+    draft positions, a base request keeps every token; single-token lookups on prompts that reuse their tokens draft
+    at almost every step, and the random-weight model rejects most drafts, so a wrongly kept row shows."""
+    from harness.engines import offline_llm
+
+    offline_engines.close()  # one engine at a time on two cores
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    # its own process, as a SwiftKV engine must be to speculate (test_speculative.py)
+    llm = offline_llm(tiny_swiftkv, in_process=False, hf_overrides=DUAL_MODE_OVERRIDES, speculative_config=speculative)
+    try:
+        prompts = [prompt(n, seed=70) for n in (9, 40, 100)] + [prompt(30, seed=71) * 3] * 2
+        modes = ["base", "swiftkv", "base", "swiftkv", "base"]
+        outputs = run(llm, prompts, modes, max_tokens=32)
+        drafts = sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    for p, mode, out in zip(prompts, modes, outputs):
+        assert list(out.outputs[0].token_ids) == ref.greedy_generate(p, 32, swiftkv=mode != "base"), (mode, len(p))
+    assert drafts > 10
