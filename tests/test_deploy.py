@@ -19,7 +19,7 @@ import pytest
 import yaml
 from harness.deploy import CHART, ROOT, find, render, run, tool, values_args
 
-from services.config import RoutingConfig
+from services.config import PlatformConfig, RoutingConfig
 
 PRESETS = sorted((ROOT / "deploy" / "helm" / "presets").glob("*.yaml"))
 DOCKERFILES = sorted((ROOT / "docker").glob("*.Dockerfile"))
@@ -149,6 +149,10 @@ def test_modes_render_their_engines():
     gw = find(small, "Deployment", "gateway")[0]["spec"]
     assert gw["replicas"] == 1 and gw["strategy"]["type"] == "Recreate"
     assert gw["template"]["spec"]["containers"][0]["image"].startswith("swiftkv/engine-cpu:")
+    small_cfg = PlatformConfig.model_validate(yaml.safe_load(find(small, "ConfigMap", "platform")[0]["data"]["platform.yaml"]))
+    # the CPU preset: both pools on the SwiftKV checkpoint as dual-mode engines (each serves the base model too)
+    assert {(p.model, p.dual_mode) for p in small_cfg.pools.values()} == {("/models/smollm2-135m-instruct-swiftkv", True)}
+    assert all(p.vllm_engine_args()["hf_overrides"] == {"swiftkv_dual_mode": True} for p in small_cfg.pools.values())
 
 
 def test_kv_events_in_plain_deployments_reach_the_gateway(tmp_path):
