@@ -210,3 +210,13 @@ def test_quote_prompts_from_real_text_and_open_chat_prompts(render, tmp_path):
     assert not any("Item " in tok.decode(c) for c in chats)
     with pytest.raises(ValueError, match="unknown prompt kind 'code'"):
         BP.prompts("code", 1, 500, render, seed=0)
+
+
+def test_dual_mode_is_refused_for_an_acrosskv_checkpoint_before_any_engine_starts(tiny_base, tiny_swiftkv_across):
+    import typer
+
+    app = typer.Typer()
+    app.add_typer(B.bench_app, name="bench")
+    r = CliRunner().invoke(app, ["bench", "engine", "--model", str(tiny_swiftkv_across), "--baseline", str(tiny_base), "--dual-mode",
+                                 "--dtype", "float32"])
+    assert r.exit_code == 2 and "--dual-mode" in r.output and "AcrossKV" in r.output, r.output

@@ -12,6 +12,11 @@ the machine and on what else runs on it.
 - kv_capacity_ratio KV-cache tokens the engines report for the same memory budget, SwiftKV / base;
                     the budget is rounded so the exact L / (l + (L - l) / g) is representable
 
+With `--dual-mode` a third engine runs the SwiftKV checkpoint as a dual-mode engine (swiftkv_core/dual_mode.py) and is
+measured in the same alternating rounds twice, its requests as the SwiftKV model and as the base model: what serving
+both models from one engine costs each of them (`dual_swiftkv_ratio` against the SwiftKV engine, `dual_base_ratio`
+against the base engine; prefill and combined tokens/s, TTFT).
+
 With `--speculative` (e.g. `none,ngram`) a second phase measures speculative decoding without a draft model
 (vLLM's `speculative_config`: ngram prompt lookup, or suffix decoding) on both models: per model, one engine per
 method, measured in alternating rounds like the first phase, at batch 1 and at `--spec-batch`, on two prompt
@@ -62,6 +67,7 @@ class EngineBenchConfig:
     spec_batch: int = 8
     text: str | None = None  # quote documents cut from this text (load_records) instead of generated catalogues
     speculation_only: bool = False  # skip the prefill / combined / TTFT phase
+    dual_mode: bool = False  # also the SwiftKV checkpoint as a dual-mode engine, measured in each of its two modes
 
 
 class BenchError(RuntimeError):
@@ -265,7 +271,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
 
 class _Engine:
     def __init__(self, name: str, path: str, cfg: EngineBenchConfig, kv_bytes: int, speculative: dict | None = None,
-                 stats: bool = False, gpu_share: float | None = None):
+                 stats: bool = False, gpu_share: float | None = None, dual_mode: bool = False):
         """`stats`: keep vLLM's metrics and request stats (speculation counters, token timestamps); `gpu_share`: on
         a GPU, the fraction of its memory this engine may count on at start, where several engines share it."""
         from vllm import LLM
@@ -274,6 +280,10 @@ class _Engine:
 
         self.name, self.path = name, path
         extra = dict(cfg.engine_args)
+        if dual_mode:
+            from ..dual_mode import with_dual_mode
+
+            extra = with_dual_mode(extra)
         if speculative is not None:
             extra["speculative_config"] = speculative
         if stats:
@@ -303,11 +313,16 @@ class _Engine:
         self.kv_tokens = cache.num_gpu_blocks * cache.block_size
         self.vocab = self.llm.llm_engine.model_config.get_vocab_size()
 
-    def generate(self, prompts: list[dict], max_tokens: int) -> tuple[float, list]:
-        """(wall seconds, vLLM's RequestOutputs) of one batch, every request generating exactly `max_tokens`."""
+    def generate(self, prompts: list[dict], max_tokens: int, mode: str | None = None) -> tuple[float, list]:
+        """(wall seconds, vLLM's RequestOutputs) of one batch, every request generating exactly `max_tokens`; `mode`: the
+        model a dual-mode engine runs them as."""
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        from ..dual_mode import cache_salt, extra_args
+
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args(mode))
+        if cache_salt(mode) is not None:
+            prompts = [{**p, "cache_salt": cache_salt(mode)} for p in prompts]
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
@@ -315,8 +330,8 @@ class _Engine:
             raise BenchError(f"{self.name}: an engine returned fewer than {max_tokens} tokens")
         return elapsed, outputs
 
-    def run(self, prompts: list[dict], max_tokens: int) -> float:
-        return self.generate(prompts, max_tokens)[0]
+    def run(self, prompts: list[dict], max_tokens: int, mode: str | None = None) -> float:
+        return self.generate(prompts, max_tokens, mode)[0]
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
@@ -340,6 +355,9 @@ def run_engine_bench(cfg: EngineBenchConfig, log=print) -> dict:
     L_swift, caches_swift, per_token_swift = _kv_layout(cfg.model)
     if (L_base, per_token) != (L_swift, per_token_swift):
         raise BenchError(f"{cfg.model} and {cfg.baseline} differ in layers or KV shape: not a SwiftKV model of that base")
+    if cfg.dual_mode and caches_swift != L_swift:
+        raise BenchError(f"--dual-mode: {cfg.model} shares KV caches between later layers (AcrossKV), which a dual-mode engine "
+                         "cannot (the base model's layers each need their own); use a checkpoint with key_value_group_size 1")
     kv_bytes = _kv_budget_bytes(cfg, [caches_base, caches_swift], per_token)
     machine = _machine()
     log(f"machine: {machine['cpu_model']} [{' '.join(machine['cpu_flags'])}], {machine['cpus']} CPUs, "
@@ -369,33 +387,38 @@ def _side_by_side(cfg: EngineBenchConfig, kv_bytes: int, on_cpu: bool, log) -> d
     """The prefill, combined and TTFT figures of both engines, measured in alternating rounds."""
     engines: list[_Engine] = []
     try:
-        for name, path in (("base", cfg.baseline), ("swiftkv", cfg.model)):
+        kinds = [("base", cfg.baseline, False), ("swiftkv", cfg.model, False)] + ([("dual", cfg.model, True)] if cfg.dual_mode else [])
+        for name, path, dual in kinds:
             log(f"starting {name} engine: {path}")
-            engines.append(_Engine(name, path, cfg, kv_bytes, gpu_share=_gpu_share(on_cpu, 2)))
-        base, swift = engines
+            engines.append(_Engine(name, path, cfg, kv_bytes, gpu_share=_gpu_share(on_cpu, len(kinds)), dual_mode=dual))
+        base, swift = engines[:2]
+        # what is measured: (name, engine, mode); the dual-mode engine once per mode
+        targets = [("base", base, None), ("swiftkv", swift, None)]
+        if cfg.dual_mode:
+            targets += [("dual_swiftkv", engines[2], "swiftkv"), ("dual_base", engines[2], "base")]
         P, O = cfg.prompt_tokens, cfg.output_tokens
         for engine in engines:  # warm-up: first-call allocations, thread pools
             engine.run(_prompts(2, P, engine.vocab, seed=10_000), 2)
 
-        raw: dict[str, dict[str, list[float]]] = {e.name: {"prefill_s": [], "combined_s": [], "ttft_s": []} for e in engines}
+        raw: dict[str, dict[str, list[float]]] = {t[0]: {"prefill_s": [], "combined_s": [], "ttft_s": []} for t in targets}
         seed = cfg.seed
         for r in range(cfg.rounds):
-            order = engines if r % 2 == 0 else engines[::-1]
-            for engine in order:
+            order = targets if r % 2 == 0 else targets[::-1]
+            for name, engine, mode in order:
                 seed += 1
                 prompts = _prompts(cfg.prefill_requests, P, engine.vocab, seed)
-                raw[engine.name]["prefill_s"].append(engine.run(prompts, 1))
+                raw[name]["prefill_s"].append(engine.run(prompts, 1, mode))
                 prompts = _prompts(cfg.combined_requests, P, engine.vocab, seed + 5000)
-                raw[engine.name]["combined_s"].append(engine.run(prompts, O))
+                raw[name]["combined_s"].append(engine.run(prompts, O, mode))
                 for prompt in _prompts(cfg.ttft_requests, P, engine.vocab, seed + 9000):
-                    raw[engine.name]["ttft_s"].append(engine.run([prompt], 1))
+                    raw[name]["ttft_s"].append(engine.run([prompt], 1, mode))
                 log(
-                    f"round {r + 1}/{cfg.rounds} {engine.name}: prefill {raw[engine.name]['prefill_s'][-1]:.2f}s, "
-                    f"combined {raw[engine.name]['combined_s'][-1]:.2f}s, ttft {raw[engine.name]['ttft_s'][-1]:.3f}s"
+                    f"round {r + 1}/{cfg.rounds} {name}: prefill {raw[name]['prefill_s'][-1]:.2f}s, "
+                    f"combined {raw[name]['combined_s'][-1]:.2f}s, ttft {raw[name]['ttft_s'][-1]:.3f}s"
                 )
 
-        def figures(e: _Engine) -> dict:
-            m = raw[e.name]
+        def figures(name: str, e: _Engine) -> dict:
+            m = raw[name]
             return {
                 "prefill_tokens_per_s": cfg.prefill_requests * P / min(m["prefill_s"]),
                 "combined_tokens_per_s": cfg.combined_requests * (P + O) / min(m["combined_s"]),
@@ -406,8 +429,15 @@ def _side_by_side(cfg: EngineBenchConfig, kv_bytes: int, on_cpu: bool, log) -> d
                 "raw": m,
             }
 
-        b, s = figures(base), figures(swift)
-        return {
+        b, s = figures("base", base), figures("swiftkv", swift)
+        dual = {}
+        if cfg.dual_mode:
+            for name, against in (("dual_swiftkv", s), ("dual_base", b)):
+                f = dual[name] = figures(name, engines[2])
+                dual[f"{name}_ratio"] = {"prefill": f["prefill_tokens_per_s"] / against["prefill_tokens_per_s"],
+                                         "combined": f["combined_tokens_per_s"] / against["combined_tokens_per_s"],
+                                         "ttft": f["ttft_s"] / against["ttft_s"]}
+        return dual | {
             "prefill_speedup": s["prefill_tokens_per_s"] / b["prefill_tokens_per_s"],
             "combined_speedup": s["combined_tokens_per_s"] / b["combined_tokens_per_s"],
             "ttft_ratio": s["ttft_s"] / b["ttft_s"],
@@ -559,6 +589,8 @@ def bench_engine_command(
     text: Annotated[Path | None, typer.Option(help="Speculation: cut the quote prompts' documents from this text "
                                               "(`swiftkv data prepare` output) instead of generated catalogues")] = None,
     speculation_only: Annotated[bool, typer.Option("--speculation-only", help="Only the --speculative phase")] = False,
+    dual_mode: Annotated[bool, typer.Option("--dual-mode", help="Also measure the SwiftKV checkpoint as a dual-mode engine, "
+                                            "in each of its two modes, against the two single-model engines")] = False,
     json: Annotated[bool, typer.Option("--json", help="Print the report as JSON")] = False,
 ) -> None:
     """Prefill, combined and TTFT speed-ups and KV capacity of a SwiftKV model against its base; with --speculative,
@@ -595,6 +627,7 @@ def bench_engine_command(
         spec_batch=spec_batch,
         text=None if text is None else str(text),
         speculation_only=speculation_only,
+        dual_mode=dual_mode,
     )
     if json:  # stdout carries only the report; vLLM (and its engine processes) log to stderr
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -610,7 +643,12 @@ def bench_engine_command(
     if not cfg.speculation_only:
         for key in ("prefill_speedup", "combined_speedup", "ttft_ratio", "kv_capacity_ratio", "expected_kv_capacity_ratio"):
             typer.echo(f"{key:28s} {report[key]:.3f}")
-        for name in ("base", "swiftkv"):
+        for name in ("dual_swiftkv_ratio", "dual_base_ratio"):
+            if name in report:
+                typer.echo(f"{name:28s} " + ", ".join(f"{k} {v:.3f}" for k, v in report[name].items()))
+        for name in ("base", "swiftkv", "dual_swiftkv", "dual_base"):
+            if name not in report:
+                continue
             f = report[name]
             typer.echo(
                 f"{name:8s} prefill {f['prefill_tokens_per_s']:.0f} tok/s, combined {f['combined_tokens_per_s']:.0f} tok/s, "
