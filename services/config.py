@@ -37,6 +37,8 @@ DEFAULT_CONFIG = """\
 # held three and requests queued for KV space (BENCHMARKS.md, "KV-cache budget").
 # speculative ngram on both pools: lossless, 1.02-1.6x output tokens/s on both models on CPUs (BENCHMARKS.md,
 # "Speculative decoding"); where a pool cannot speculate (a SwiftKV model on a GPU) it is turned off at start.
+# On a CPU both pools then run the SwiftKV model as dual-mode engines, each serving the base model too, per request
+# (BENCHMARKS.md, "Dual-mode engines"); on a GPU each pool keeps its model (services/platform.default_dual_mode).
 model: swiftkv-smollm2            # the public name; requests for it are routed between the pools
 host: 127.0.0.1
 port: 8000

@@ -402,6 +402,7 @@ def serve_command(
              "(backend: remote, url: ...), or keep one worker")
     if config is None:
         default_models(cfg, prepare=False)
+        default_dual_mode(cfg)
         default_speculation(cfg)
     if print_config:
         typer.echo(printable_config(cfg, config), nl=False)
@@ -446,10 +447,34 @@ def demo_command(
 
     cfg = load_config(None, {"port": port})
     default_models(cfg, prepare=True)
+    default_dual_mode(cfg)
     default_speculation(cfg)
     settings = ServeSettings()
     log_level, log_format = _log_options(settings.log_level, settings.log_format)
     run_platform(cfg, engine, log_level, log_format=log_format, log_file=settings.log_file or None)
+
+
+def default_dual_mode(cfg) -> None:
+    """On a CPU the embedded default runs both pools on the SwiftKV checkpoint as dual-mode engines, each serving the base
+    model too, per request: there rag at capacity ran as two SwiftKV engines do and conversations faster than on two
+    base engines, each model within 0-3% of its own engine's speed (BENCHMARKS.md, "Dual-mode engines"). On a GPU a
+    dual-mode engine gives up CUDA graphs, not yet measured there, so each pool keeps its one model; so it does where the
+    SwiftKV model cannot serve its base model (no SwiftKV checkpoint prepared, AcrossKV, merged adapters)."""
+    from swiftkv_core.hardware import vllm_on_cpu
+    from swiftkv_core.vllm.speculation import is_swiftkv_checkpoint
+
+    swiftkv, base = cfg.pools.get("swiftkv"), cfg.pools.get("base")
+    if swiftkv is None or base is None or {swiftkv.backend, base.backend} != {"engine"} or cfg.routing.kv_events:
+        return
+    hf_config = local_hf_config(swiftkv)
+    if hf_config is None or not is_swiftkv_checkpoint(hf_config) or not vllm_on_cpu():
+        return
+    if (hf_config.get("key_value_group_size") or 1) != 1 or hf_config.get("later_layers_adapted"):
+        return
+    if hf_config.get("num_key_value_layers") in (None, hf_config.get("num_hidden_layers")):
+        return
+    base.model, base.tokenizer = swiftkv.model, swiftkv.tokenizer
+    swiftkv.dual_mode = base.dual_mode = True
 
 
 def default_speculation(cfg) -> None:

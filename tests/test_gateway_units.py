@@ -168,6 +168,29 @@ def test_at_capacity_a_prompt_heavy_request_runs_as_swiftkv_on_a_dual_mode_base_
     asyncio.run(run())
 
 
+def test_the_embedded_default_runs_dual_mode_on_a_cpu_where_the_swiftkv_checkpoint_can(tiny_base, tiny_swiftkv, tiny_swiftkv_across,
+                                                                                       monkeypatch):
+    """`swiftkv serve` / `swiftkv demo` without a config: on a CPU both pools run the SwiftKV checkpoint dual-mode (the base
+    pool's requests as its base model); on a GPU, or where the checkpoint cannot serve its base model (AcrossKV, not a
+    SwiftKV checkpoint), each pool keeps its one model."""
+    import swiftkv_core.hardware as hardware
+    from services.config import load_config
+    from services.platform import default_dual_mode
+
+    def default(swiftkv_model, on_cpu: bool = True):
+        cfg = load_config(None)
+        cfg.pools["swiftkv"].model, cfg.pools["base"].model = str(swiftkv_model), str(tiny_base)
+        monkeypatch.setattr(hardware, "vllm_on_cpu", lambda: on_cpu)  # the machine's kind, not the code under test
+        default_dual_mode(cfg)
+        return {name: (p.model, p.dual_mode) for name, p in cfg.pools.items()}
+
+    assert default(tiny_swiftkv) == {"swiftkv": (str(tiny_swiftkv), True), "base": (str(tiny_swiftkv), True)}
+    one_model_each = {"swiftkv": (str(tiny_swiftkv), False), "base": (str(tiny_base), False)}
+    assert default(tiny_swiftkv, on_cpu=False) == one_model_each
+    assert default(tiny_swiftkv_across)["base"] == (str(tiny_base), False)
+    assert default(tiny_base)["base"] == (str(tiny_base), False)
+
+
 def test_a_dual_mode_pool_starts_dual_mode_engines_and_is_refused_where_it_cannot_work(tiny_base, tmp_path):
     """dual_mode: the pool's engines start with the override beside its own hf_overrides (the pool's engine_args left
     as written); refused with routing.kv_events, and by `swiftkv serve` for a local model that is not a SwiftKV

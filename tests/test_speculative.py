@@ -153,8 +153,13 @@ def test_print_config_prints_the_embedded_default_with_flags():
     assert {name: p["speculative"]["method"] for name, p in printed["pools"].items()} == {"swiftkv": "ngram", "base": "ngram"}
     expected = load_config(None, {"port": 9123, "host": "0.0.0.0"}).model_dump(mode="json")
     got = PlatformConfig.model_validate(printed).model_dump(mode="json")
+    # where the SwiftKV model is prepared on this CPU both pools run it dual-mode (services.platform.default_dual_mode)
+    dual = got["pools"]["base"]["dual_mode"]
+    assert got["pools"]["swiftkv"]["dual_mode"] == dual
+    assert (got["pools"]["base"]["model"] == got["pools"]["swiftkv"]["model"]) == dual
     for dump in (expected, got):  # the swiftkv pool names the undistilled model where only that one is prepared
-        dump["pools"]["swiftkv"].pop("model")
+        for pool in dump["pools"].values():
+            pool.pop("model"), pool.pop("dual_mode"), pool.pop("tokenizer")
     assert got == expected
 
 

@@ -37,7 +37,7 @@ def describe(pool: PoolConfig, engine: EngineKind, cpu_bind: str | None = None) 
     if pool.ray_app:
         return f"Ray Serve application {pool.ray_app} (deployed by the cluster)"
     args = pool.engine_args
-    budget = [f"dtype {args.get('dtype') or 'auto'}"]
+    budget = (["dual-mode: the SwiftKV and the base model"] if pool.dual_mode else []) + [f"dtype {args.get('dtype') or 'auto'}"]
     if cpu_bind:
         budget.append(f"CPUs {cpu_bind}")
     if args.get("kv_cache_memory_bytes"):
