@@ -75,16 +75,24 @@ def local_hf_config(pool) -> dict | None:
 
 
 def dual_mode_refusal(name: str, pool) -> str | None:
-    """Why the pool cannot run dual-mode engines (None: it can, or its model is not a local folder to read): a dual-mode
-    engine runs a SwiftKV checkpoint, which holds the base model whole."""
+    """Why the pool cannot run dual-mode engines (None: it can, it is not dual-mode, or its model is not a local folder
+    to read): a dual-mode engine runs a SwiftKV checkpoint that holds its base model whole."""
+    hf_config = local_hf_config(pool) if pool.dual_mode and pool.backend == "engine" else None
+    reason = None if hf_config is None else checkpoint_dual_mode_refusal(hf_config)
+    return None if reason is None else f"pools.{name}.dual_mode: {pool.model}: {reason}"
+
+
+def checkpoint_dual_mode_refusal(hf_config: dict) -> str | None:
+    """Why the checkpoint of this config.json cannot serve its base model in dual mode (None: it can)."""
+    from swiftkv_core.dual_mode import refusal
     from swiftkv_core.vllm.speculation import CHECKPOINT_ARCHITECTURE, is_swiftkv_checkpoint
 
-    hf_config = local_hf_config(pool) if pool.dual_mode and pool.backend == "engine" else None
-    if hf_config is None or is_swiftkv_checkpoint(hf_config):
-        return None
-    return (f"pools.{name}.dual_mode needs a SwiftKV checkpoint (architectures [{CHECKPOINT_ARCHITECTURE}] in its config.json), "
-            f"which holds the base model whole; {pool.model} lists {hf_config.get('architectures') or 'none'}: convert it with "
-            "`swiftkv convert` or set dual_mode false")
+    if not is_swiftkv_checkpoint(hf_config):
+        return (f"dual mode needs a SwiftKV checkpoint (architectures [{CHECKPOINT_ARCHITECTURE}] in its config.json), which "
+                f"holds the base model whole; this one lists {hf_config.get('architectures') or 'none'}: convert it with "
+                "`swiftkv convert` or set dual_mode false")
+    return refusal(hf_config.get("num_hidden_layers"), hf_config.get("num_key_value_layers"),
+                   hf_config.get("key_value_group_size"), bool(hf_config.get("later_layers_adapted")))
 
 
 def _check_machine(cfg, engine: str) -> None:
@@ -461,17 +469,12 @@ def default_dual_mode(cfg) -> None:
     dual-mode engine gives up CUDA graphs, not yet measured there, so each pool keeps its one model; so it does where the
     SwiftKV model cannot serve its base model (no SwiftKV checkpoint prepared, AcrossKV, merged adapters)."""
     from swiftkv_core.hardware import vllm_on_cpu
-    from swiftkv_core.vllm.speculation import is_swiftkv_checkpoint
 
     swiftkv, base = cfg.pools.get("swiftkv"), cfg.pools.get("base")
     if swiftkv is None or base is None or {swiftkv.backend, base.backend} != {"engine"} or cfg.routing.kv_events:
         return
     hf_config = local_hf_config(swiftkv)
-    if hf_config is None or not is_swiftkv_checkpoint(hf_config) or not vllm_on_cpu():
-        return
-    if (hf_config.get("key_value_group_size") or 1) != 1 or hf_config.get("later_layers_adapted"):
-        return
-    if hf_config.get("num_key_value_layers") in (None, hf_config.get("num_hidden_layers")):
+    if hf_config is None or checkpoint_dual_mode_refusal(hf_config) is not None or not vllm_on_cpu():
         return
     base.model, base.tokenizer = swiftkv.model, swiftkv.tokenizer
     swiftkv.dual_mode = base.dual_mode = True

@@ -45,6 +45,28 @@ def cache_salt(mode: Mode | None) -> str | None:
     return BASE_MODE_CACHE_SALT if mode == "base" else None
 
 
+def with_cache_salt(prompt: dict, mode: Mode | None) -> dict:
+    """An engine prompt (`{"prompt_token_ids": ...}`) with the prefix-cache salt of `mode`, where it has one."""
+    salt = cache_salt(mode)
+    return prompt if salt is None else {**prompt, "cache_salt": salt}
+
+
+def refusal(num_hidden_layers: int, num_key_value_layers: int | None, key_value_group_size: int | None,
+            later_layers_adapted: bool = False) -> str | None:
+    """Why a SwiftKV checkpoint of this layout cannot serve its base model in dual mode (None: it can)."""
+    L, l, g = num_hidden_layers, num_key_value_layers or num_hidden_layers, key_value_group_size or 1
+    if l == L:
+        return (f"{CONFIG_FIELD}: this checkpoint skips no layer (num_key_value_layers = {L}): it is its base model "
+                "already; serve it without the override")
+    if g > 1:
+        return (f"{CONFIG_FIELD} needs key_value_group_size 1 (got {g}): with AcrossKV the later layers share KV caches, "
+                "which the base model's own K/V cannot")
+    if later_layers_adapted:
+        return (f"{CONFIG_FIELD}: this checkpoint's later layers carry merged adapters, so it no longer holds its base "
+                "model; serve the base model from its own checkpoint")
+    return None
+
+
 def is_base(extra: dict | None) -> bool:
     """Whether a request's extra_args ask for base mode (read by the engine's model runner)."""
     return bool(extra) and extra.get(MODE_ARG) == "base"

@@ -222,13 +222,19 @@ def test_a_dual_mode_pool_starts_dual_mode_engines_and_is_refused_where_it_canno
 
     swiftkv = tmp_path / "swiftkv"
     swiftkv.mkdir()
-    (swiftkv / "config.json").write_text(json.dumps({"architectures": ["LlamaSwiftKVForCausalLM"]}))
+    layout = {"architectures": ["LlamaSwiftKVForCausalLM"], "num_hidden_layers": 8, "num_key_value_layers": 4}
+    (swiftkv / "config.json").write_text(json.dumps(layout))
+    across = tmp_path / "across"
+    across.mkdir()
+    (across / "config.json").write_text(json.dumps({**layout, "key_value_group_size": 2}))
+    refusal = dual_mode_refusal("swiftkv", PoolConfig(model=str(across), dual_mode=True))  # refused before any engine starts
+    assert refusal is not None and "key_value_group_size 1" in refusal
     for model, refused in ((str(tiny_base), True), (str(swiftkv), False)):
         cfg = PlatformConfig(model="m", pools={"swiftkv": {"model": model, "dual_mode": True}})
         refusal = dual_mode_refusal("swiftkv", cfg.pools["swiftkv"])
         assert (refusal is not None) == refused, refusal
         if refused:
-            assert "pools.swiftkv.dual_mode needs a SwiftKV checkpoint" in refusal and "LlamaForCausalLM" in refusal
+            assert "pools.swiftkv.dual_mode: " in refusal and "needs a SwiftKV checkpoint" in refusal and "LlamaForCausalLM" in refusal
             with pytest.raises(typer.Exit):
                 _check_models(cfg)
         else:

@@ -261,11 +261,11 @@ class RoutePolicy:
             return Decision(only.name, "single", ratio, blocks)
         chosen = SWIFTKV if ratio >= self.cfg.ratio_threshold else BASE
         other = BASE if chosen == SWIFTKV else SWIFTKV
-        there = chosen if pools[other].dual_mode else other  # the model the request runs as, moved to the other pool
+        moved_as = chosen if pools[other].dual_mode else other  # the model it runs as if moved to the other pool
         if not pools[chosen].ready:
             if not pools[other].ready:
                 raise NoPoolAvailable("no pool is available")
-            return Decision(other, "fallback", ratio, blocks, there)
+            return Decision(other, "fallback", ratio, blocks, moved_as)
         if pools[other].ready:
             # Cached tokens up to the distinctive minimum count for nothing: a prefix every request shares would
             # otherwise pull all traffic to the pool that happens to hold it.
@@ -282,16 +282,16 @@ class RoutePolicy:
             # Where else the prompt may be cached: the other pool as the model it would run there, and on a dual-mode
             # pool either model (a conversation's history cached as the base model keeps its next turn there, as it
             # would between two single-model pools).
-            elsewhere = {(other, there)} | {(p, m) for p in pools if pools[p].dual_mode for m in POOL_NAMES}
+            elsewhere = {(other, moved_as)} | {(p, m) for p in pools if pools[p].dual_mode for m in POOL_NAMES}
             best = max(sorted(elsewhere - {(chosen, chosen)}), key=lambda pm: cached(*pm))
             if cached(*best) > mine_cached and work(*best) < mine:
                 return Decision(best[0], "prefix", ratio, blocks, best[1])
-            theirs = work(other, there)
+            theirs = work(other, moved_as)
             # The margin keeps the intended model at low load; where the other pool would run the same model (dual
             # mode) the two engines are alike for this request, and the less loaded one serves it.
-            margin = 0 if there == chosen else self.cfg.balance_margin_tokens
+            margin = 0 if moved_as == chosen else self.cfg.balance_margin_tokens
             if self.cfg.balance and mine - theirs > margin:
-                return Decision(other, "backlog", ratio, blocks, there)
+                return Decision(other, "backlog", ratio, blocks, moved_as)
         return Decision(chosen, "ratio", ratio, blocks)
 
     def steer_batch(self, decision: Decision, pools: dict[str, PoolState], live_busy: Callable[[str], bool]) -> Decision:

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from services.common.kv_events import local_endpoint
-from swiftkv_core.dual_mode import cache_salt, extra_args
+from swiftkv_core.dual_mode import extra_args, with_cache_salt
 from swiftkv_core.interrupts import shield_children
 
 from .backend import BackendDown, BackendError, BadRequest, ChoiceDelta, GenerateRequest, Output, SamplingOptions, TokenLogprob
@@ -110,11 +110,7 @@ def engine_inputs(request: GenerateRequest) -> tuple[dict, Any]:
     carries the mode in its extra_args and its prefix-cache salt in the prompt (swiftkv_core/dual_mode.py)."""
     params = to_sampling_params(request.sampling)
     params.extra_args = extra_args(request.mode)
-    prompt = {"prompt_token_ids": request.prompt_token_ids}
-    salt = cache_salt(request.mode)
-    if salt is not None:
-        prompt["cache_salt"] = salt
-    return prompt, params
+    return with_cache_salt({"prompt_token_ids": request.prompt_token_ids}, request.mode), params
 
 
 def _logprobs(token_ids, entries, k: int) -> list[TokenLogprob]:

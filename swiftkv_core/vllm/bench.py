@@ -318,11 +318,10 @@ class _Engine:
         model a dual-mode engine runs them as."""
         from vllm import SamplingParams
 
-        from ..dual_mode import cache_salt, extra_args
+        from ..dual_mode import extra_args, with_cache_salt
 
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args(mode))
-        if cache_salt(mode) is not None:
-            prompts = [{**p, "cache_salt": cache_salt(mode)} for p in prompts]
+        prompts = [with_cache_salt(p, mode) for p in prompts]
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start

@@ -60,6 +60,7 @@ from vllm.utils.torch_utils import _encode_layer_name
 
 from ..config import SwiftKVConfigError
 from ..dual_mode import CONFIG_FIELD
+from ..dual_mode import refusal as dual_mode_refusal
 from . import request_modes
 from .logits_tokens import rows_of_requests, select_logits_tokens
 
@@ -330,29 +331,21 @@ class SwiftKVLlamaModel(nn.Module):
             write_kv_cache(self.layers[leader].self_attn.attn, k, v)
 
         metadata = self.later_metadata()
+        # Dual mode, a step holding base-mode requests: their every token continues (the base model runs all layers
+        # on all tokens) through the base projections (`base_rows`), beside the SwiftKV requests' last tokens.
         base = request_modes.base_requests() if self.dual_mode and metadata is not None else None
-        if base is not None:
-            return self.forward_dual(positions, stream, key_block, value_block, metadata, base)
-        selected = None if metadata is None else self.select_tokens(metadata)
-        if selected is None:  # decode-only step or profile run: all tokens continue
-            return self.later(positions, stream, key_block, value_block)
-        indices = selected.indices
-        with self.later_layers_metadata(selected.metadata):
-            out_sel = self.later(positions[indices], stream[indices], key_block[indices], value_block[indices])
-        out = stream.new_zeros(stream.shape)
-        out[indices] = out_sel
-        return out
+        base_rows = None if base is None else rows_of_requests(metadata, base, stream.shape[0])
 
-    def forward_dual(self, positions, stream, key_block, value_block, metadata, base) -> torch.Tensor:
-        """The later layers of a step holding base-mode requests: their every token continues (the base model runs
-        all layers on all tokens), with the base projections, beside the SwiftKV requests' last tokens."""
-        rows = rows_of_requests(metadata, base, stream.shape[0])
-        selected = self.select_tokens(metadata, keep_all=base)
-        if selected is None:
-            return self.later.forward_dual(positions, stream, key_block, value_block, rows)
+        def later(rows, *inputs):
+            return self.later(*inputs) if base_rows is None else self.later.forward_dual(*inputs, base_rows[rows])
+
+        selected = None if metadata is None else self.select_tokens(metadata, keep_all=base)
+        if selected is None:  # decode-only step or profile run: all tokens continue
+            return later(slice(None), positions, stream, key_block, value_block)
         indices = selected.indices
-        with self.later_layers_metadata(selected.metadata, indices):
-            out_sel = self.later.forward_dual(positions[indices], stream[indices], key_block[indices], value_block[indices], rows[indices])
+        # the later layers write the base-mode rows' K/V: to the selected rows' cache slots
+        with self.later_layers_metadata(selected.metadata, None if base_rows is None else indices):
+            out_sel = later(indices, positions[indices], stream[indices], key_block[indices], value_block[indices])
         out = stream.new_zeros(stream.shape)
         out[indices] = out_sel
         return out
@@ -391,15 +384,9 @@ class SwiftKVLlamaModel(nn.Module):
 
 def _check_dual_mode(config, l: int, L: int, g: int) -> None:
     """Refuse a dual-mode engine on a checkpoint that does not hold its base model whole, or shares later caches."""
-    if l == L:
-        raise SwiftKVConfigError(f"{CONFIG_FIELD}: this checkpoint skips no layer (num_key_value_layers = {L}): it is its base "
-                                 "model already; serve it without the override", CONFIG_FIELD)
-    if g > 1:
-        raise SwiftKVConfigError(f"{CONFIG_FIELD} needs key_value_group_size 1 (got {g}): with AcrossKV the later layers share "
-                                 "KV caches, which the base model's own K/V cannot", CONFIG_FIELD)
-    if getattr(config, "later_layers_adapted", False):
-        raise SwiftKVConfigError(f"{CONFIG_FIELD}: this checkpoint's later layers carry merged adapters, so it no longer holds "
-                                 "its base model; serve the base model from its own checkpoint", CONFIG_FIELD)
+    reason = dual_mode_refusal(L, l, g, getattr(config, "later_layers_adapted", False))
+    if reason is not None:
+        raise SwiftKVConfigError(reason, CONFIG_FIELD)
 
 
 # checkpoint tensor name -> (vLLM parameter name, shard id or None), or None to skip the tensor
