@@ -585,8 +585,8 @@ def test_soak_stops_the_platform_on_ctrl_c(tiny_base, tiny_swiftkv, corpus, tmp_
 def checkpoint(folder: Path, swiftkv: bool) -> Path:
     """A model folder as far as the platform's checks read it: its config.json."""
     folder.mkdir(parents=True, exist_ok=True)
-    arch = {"architectures": ["LlamaSwiftKVForCausalLM"], "model_type": "llama_swiftkv"} if swiftkv else \
-        {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    arch = {"architectures": ["LlamaSwiftKVForCausalLM"], "model_type": "llama_swiftkv", "num_hidden_layers": 30,
+            "num_key_value_layers": 24} if swiftkv else {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
     (folder / "config.json").write_text(json.dumps(arch))
     return folder
 
