@@ -225,8 +225,10 @@ def register_core_commands(app: typer.Typer) -> None:
     app.command("convert")(convert_command)
     app.add_typer(models_app, name="models")
     from .vllm.bench import bench_app  # typer only; vLLM is imported when a benchmark runs
+    from .vllm.bench_sampling import bench_sampling_command
 
     bench_app.command("distill")(bench_distill_command)
+    bench_app.command("sampling")(bench_sampling_command)
     app.add_typer(bench_app, name="bench")
     register_training_commands(app)
 

