@@ -10,7 +10,7 @@ GUIDELLM_VERSION := 0.8.1
 GUIDELLM := .tools/guidellm
 GUIDELLM_STAMP := $(GUIDELLM)/.installed-$(GUIDELLM_VERSION)
 
-.PHONY: setup test test-fast demo lint clean
+.PHONY: setup test test-fast demo lint docs docs-build clean
 
 setup: $(STAMP) $(BYTECODE_STAMP) $(DEPLOY_STAMP) $(GUIDELLM_STAMP)
 
@@ -86,5 +86,17 @@ test-fast: setup
 demo: setup
 	$(VENV)/bin/swiftkv demo
 
+# The documentation site (mkdocs.yml): served with live reload at http://127.0.0.1:8008, or built into site/ as CI
+# builds it, --strict (a broken link, anchor or nav entry fails). Its reference pages are generated from the code when
+# the site is built: restart `make docs` to see a change of the code. (NO_MKDOCS_2_WARNING: Material's banner about
+# its successor, on every build.)
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
+
+docs: $(STAMP)
+	$(MKDOCS) serve
+
+docs-build: $(STAMP)
+	$(MKDOCS) build --strict
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The dashboard picture (deploy/grafana/latency.png) drawn from a real platform load test: `swiftkv serve` with the
+# The dashboard picture (docs/dashboard-latency.png) drawn from a real platform load test: `swiftkv serve` with the
 # embedded default (SmolLM2 and its SwiftKV model, the default routing and speculation), a Prometheus scraping its
 # /metrics every 5 s, `swiftkv bench platform --target` driving WORKLOAD at RATE requests/s, then
 # deploy/grafana/render_png.py over the whole run. Needs `make setup` (Prometheus in .tools/), the models
 # (`swiftkv models prepare ...`) and the text (`swiftkv data prepare --out data/mix`).
-#   WORKLOAD=mixed RATE=0.5 COUNT=60 DURATION=180 OUT=deploy/grafana/latency.png scripts/dashboard_picture.sh
+#   WORKLOAD=mixed RATE=0.5 COUNT=60 DURATION=180 OUT=docs/dashboard-latency.png scripts/dashboard_picture.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-deploy/grafana/latency.png} WORKLOAD=${WORKLOAD:-mixed} RATE=${RATE:-0.5} COUNT=${COUNT:-60} DURATION=${DURATION:-180}
+OUT=${OUT:-docs/dashboard-latency.png} WORKLOAD=${WORKLOAD:-mixed} RATE=${RATE:-0.5} COUNT=${COUNT:-60} DURATION=${DURATION:-180}
 PORT=${PORT:-8000} PROM_PORT=${PROM_PORT:-9090}
 PROMETHEUS=.tools/prometheus/usr/bin/prometheus
 work=$(mktemp -d)

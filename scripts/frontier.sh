@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The quality/speed frontier of SwiftKV SmolLM2-135M-Instruct (BENCHMARKS.md, "Frontier").
+# The quality/speed frontier of SwiftKV SmolLM2-135M-Instruct (docs/benchmarks.md, "Frontier").
 #
 #   scripts/frontier.sh train ROW...    distill the named rows (resumes an interrupted row)
 #   scripts/frontier.sh eval ROW...     evaluate them (skips a row whose result file exists)

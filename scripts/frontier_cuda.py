@@ -17,7 +17,7 @@ metrics.jsonl) that `scripts/frontier.sh eval ROW` and `scripts/frontier_report.
 Its inputs (the GGUF, the training text, the `gguf` wheel) travel to a machine reached only through copies of limited
 size as `scripts/frontier_bundle.sh` packs them. Rows run one after another: five processes at once on one H100 ran
 at 1.3x one row's throughput together (each at a quarter of it), so within a call's time limit none finished
-(BENCHMARKS.md, "Five rows run at once").
+(docs/benchmarks.md, Frontier, "Five rows run at once").
 
 A row: NAME=l:tokens[:key=value,...], e.g. `l22-t1-16m=22:16000000:temperature=1`. Common recipe: T = 1,
 least-squares K/V init, lr 1e-3 with 5% warm-up then linear decay, 256-token rows, 32 rows a step.

@@ -1,4 +1,4 @@
-"""Tables and plots of the frontier runs made by scripts/frontier.sh (BENCHMARKS.md, "Frontier").
+"""Tables and plots of the frontier runs made by scripts/frontier.sh (docs/benchmarks.md, "Frontier").
 
     .venv/bin/python scripts/frontier_report.py [--runs runs] [--out docs]
 

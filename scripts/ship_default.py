@@ -68,7 +68,7 @@ def main() -> None:
         "tokens": summary["tokens"],
         "export": f".venv/bin/python scripts/ship_default.py {args.run} --row {row}",
         "quality": {**figures(held), "manpages": figures(man),
-                    "eval": "swiftkv eval --seq-len 512 --max-tokens 8192 --num-prompts 8 --gen-tokens 32 --long-docs 6 on data/mix/heldout.jsonl and data/mix/heldout_manpages.jsonl (BENCHMARKS.md, Frontier)"},
+                    "eval": "swiftkv eval --seq-len 512 --max-tokens 8192 --num-prompts 8 --gen-tokens 32 --long-docs 6 on data/mix/heldout.jsonl and data/mix/heldout_manpages.jsonl (docs/benchmarks.md, Frontier)"},
         "prefill_speedup": round(speedup, 2),
         "prefill_speedup_source": speedup_source,
     }

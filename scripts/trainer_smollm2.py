@@ -1,5 +1,5 @@
 """One SmolLM2 distillation job end to end through `swiftkv trainer serve`, and the same recipe run as
-`swiftkv distill`, one after the other on the same cores (BENCHMARKS.md, "Training service").
+`swiftkv distill`, one after the other on the same cores (docs/benchmarks.md, "Training service").
 
     .venv/bin/python scripts/trainer_smollm2.py [--steps 60] [--layers 22] [--out runs/trainer-e2e]
 

@@ -34,11 +34,11 @@ DEFAULT_CONFIG = """\
 # scheduling_policy priority: Batch API requests (lower priority) run after live ones.
 # max_model_len 8192: SmolLM2's whole context (prompt-heavy traffic brings long documents). KV cache 1 GiB per
 # engine: 23,000 float32 tokens (46,000 in bf16), a dozen 2,000-token prompts at once; at 256 MiB an engine
-# held three and requests queued for KV space (BENCHMARKS.md, "KV-cache budget").
-# speculative ngram on both pools: lossless, 1.02-1.6x output tokens/s on both models on CPUs (BENCHMARKS.md,
+# held three and requests queued for KV space (docs/benchmarks.md, "KV-cache budget").
+# speculative ngram on both pools: lossless, 1.02-1.6x output tokens/s on both models on CPUs (docs/benchmarks.md,
 # "Speculative decoding"); where a pool cannot speculate (a SwiftKV model on a GPU) it is turned off at start.
 # On a CPU both pools then run the SwiftKV model as dual-mode engines, each serving the base model too, per request
-# (BENCHMARKS.md, "Dual-mode engines"); on a GPU each pool keeps its model (services/platform.default_dual_mode).
+# (docs/benchmarks.md, "Dual-mode engines"); on a GPU each pool keeps its model (services/platform.default_dual_mode).
 model: swiftkv-smollm2            # the public name; requests for it are routed between the pools
 host: 127.0.0.1
 port: 8000
@@ -65,20 +65,28 @@ DEFAULT_KV_CACHE_BYTES: int = _DEFAULT_ENGINE_ARGS["kv_cache_memory_bytes"]
 
 
 class StrictModel(BaseModel):
+    """Refuses unknown keys: a misspelt setting is an error, not silently ignored."""
+
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
 class Replicas(StrictModel):
     """Ray Serve replica count and autoscaling (ignored by in-process and remote pools: one engine each)."""
 
-    min: int = Field(1, ge=0)
-    max: int = Field(2, ge=1)
-    target_ongoing_requests: float = Field(8, gt=0)
-    max_ongoing_requests: int = Field(32, ge=1)
-    upscale_delay_s: float = Field(10.0, ge=0)
-    downscale_delay_s: float = Field(120.0, ge=0)
-    num_cpus: float = Field(1.0, ge=0, description="Ray resources per replica")
-    num_gpus: float = Field(0.0, ge=0)
+    min: int = Field(1, ge=0, description="fewest engine replicas the autoscaler keeps (at least one starts); 0: an idle "
+                     "pool may scale to zero and counts as ready with no replica running")
+    max: int = Field(2, ge=1, description="most engine replicas the autoscaler starts")
+    target_ongoing_requests: float = Field(8, gt=0, description="requests in flight per replica the autoscaler aims at: "
+                                           "more on average adds replicas, fewer removes them")
+    max_ongoing_requests: int = Field(32, ge=1, description="requests one replica runs at once; more wait in Ray Serve's "
+                                      "queue until a replica has room")
+    upscale_delay_s: float = Field(10.0, ge=0, description="seconds the load must stay above the target before the "
+                                   "autoscaler adds a replica")
+    downscale_delay_s: float = Field(120.0, ge=0, description="seconds the load must stay below the target before the "
+                                     "autoscaler removes a replica")
+    num_cpus: float = Field(1.0, ge=0, description="Ray resources per replica: the CPUs Ray reserves for each engine replica")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each engine replica (a fraction shares a GPU; "
+                            "0: CPU engines)")
 
     @model_validator(mode="after")
     def _order(self) -> "Replicas":
@@ -130,10 +138,14 @@ class SpeculativeConfig(StrictModel):
 
 
 class PoolConfig(StrictModel):
+    """One pool: identical engines (or remote servers) serving one model, and how they run."""
+
     model: str = Field(description="local folder or hub id of the model this pool serves")
     served_model_name: str | None = Field(None, description="name clients use to bypass routing; default '<public>-<pool>'")
     tokenizer: str | None = Field(None, description="tokenizer folder or hub id; default: the model")
-    backend: Literal["engine", "remote"] = "engine"  # engine: inprocess or ray (chosen by --engine)
+    backend: Literal["engine", "remote"] = Field("engine", description="engine: vLLM engines the gateway starts, in its "
+                                                 "process or on Ray (`swiftkv serve --engine`); remote: an OpenAI-compatible "
+                                                 "server at `url`")
     url: str | list[str] | None = Field(None, description="base URL of a remote OpenAI-compatible server (backend: remote); a "
                                         "list: several servers of the model, each request sent to the one its prompt's "
                                         "prefix and the servers' load choose (services/serving/replicas.py)")
@@ -142,8 +154,10 @@ class PoolConfig(StrictModel):
                                                        "KV-cache events (its --kv-events-config endpoint, e.g. tcp://host:5557), "
                                                        "one per url; read when routing.kv_events is on")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="vLLM AsyncEngineArgs fields")
-    replicas: Replicas = Field(default_factory=Replicas)
-    warmup: bool = True
+    replicas: Replicas = Field(default_factory=Replicas, description="Ray Serve replica count and autoscaling of the pool's "
+                               "engines (ignored by in-process and remote pools)")
+    warmup: bool = Field(True, description="each engine generates 2 tokens for a fixed prompt before it counts as ready, so "
+                         "no client request pays for its first step; false: ready as soon as it has loaded")
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig,
                                            description="speculative decoding of this pool's engines (vLLM's speculative_config)")
     ray_app: str | None = Field(None, description="Ray Serve application already running this pool (a KubeRay RayService's): "
@@ -233,7 +247,7 @@ class RoutingConfig(StrictModel):
                           "the ratio alone decides while both pools are up")
     decode_token_cost: float = Field(4.0, gt=0, description="the work of one output token in prompt tokens' prefill work: on "
                                      "2 CPU cores a batched decode step per sequence costs about what 4-7 prompt tokens of "
-                                     "prefill do (BENCHMARKS.md, Engine); on GPUs decode is relatively cheaper")
+                                     "prefill do (docs/benchmarks.md, Engine); on GPUs decode is relatively cheaper")
     balance_margin_tokens: int = Field(2048, ge=0, description="balance: the difference in predicted work, in prompt-token "
                                        "units, below which the ratio's choice stands (about one prompt-heavy request)")
     cache_aware: bool = Field(True, description="let what each pool holds in vLLM's prefix cache (as the gateway tracks it) "
@@ -279,7 +293,7 @@ class RoutingConfig(StrictModel):
 
 class LimitsConfig(StrictModel):
     """Bounds on what a client controls, checked at the edge: each refusal is a 4xx in OpenAI's envelope that
-    names the field and the limit (README, "Limits at the edge")."""
+    names the field and the limit (docs/serving/index.md, "Limits at the edge")."""
 
     max_body_bytes: int = Field(1_000_000, ge=1024, description="request body of the JSON routes; more is a 413")
     max_header_bytes: int = Field(16_384, ge=1024, description="request line plus headers; more is a 431 and the connection closes")
@@ -299,14 +313,23 @@ class LimitsConfig(StrictModel):
                                       "never the gateway, closes it: a close racing a request on the connection resets it")
     send_timeout_seconds: float = Field(30.0, gt=0, description="a client that reads nothing of its response for this long "
                                         "is disconnected and its engine request aborted")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="default: the smallest max_model_len of the pools")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="prompt tokens of one request; more is a 400. "
+                                          "default: the smallest max_model_len of the pools, less one (room for an output token)")
     max_unstreamed_tokens: int | None = Field(131_072, ge=1, description="n * max_tokens * (1 + top logprobs) of a non-streamed "
                                               "answer, which the gateway holds whole before sending it (about 0.6 KB per "
                                               "token and per logprob); more is a 400 that says to stream. The default lets "
                                               "n 16 fill an 8192-token context; null: no bound")
-    requests_per_minute: int | None = Field(None, ge=1)
-    prompt_tokens_per_minute: int | None = Field(None, ge=1)
-    output_tokens_per_minute: int | None = Field(None, ge=1)
+    # The per-minute limits are token buckets per API key (all callers are one key without keys), refilled
+    # continuously; a key's line in api_keys_file may set its own (services/common/keys.py).
+    requests_per_minute: int | None = Field(None, ge=1, description="requests one API key may send per minute; past it a "
+                                            "429 with Retry-After; null: no limit")
+    prompt_tokens_per_minute: int | None = Field(None, ge=1, description="prompt tokens one API key may send per minute "
+                                                 "(estimated from the body, settled once tokenized); past it a 429 with "
+                                                 "Retry-After; null: no limit")
+    output_tokens_per_minute: int | None = Field(None, ge=1, description="output tokens generated for one API key per "
+                                                 "minute (max_tokens, or the expected output, reserved at admission and "
+                                                 "settled against what was generated); past it a 429 with Retry-After; "
+                                                 "null: no limit")
 
 
 class BatchConfig(StrictModel):
@@ -331,7 +354,8 @@ class BatchConfig(StrictModel):
                                    "prefills. The prompt work done on an aborted line is lost unless prefix caching keeps it")
     priority: int = Field(10, description="vLLM priority of batch requests (live: 0; lower runs first; used by engines with scheduling_policy=priority)")
     max_active_batches: int = Field(4, ge=1, description="batches one gateway process works at once")
-    max_lines: int = Field(50_000, ge=1)
+    max_lines: int = Field(50_000, ge=1, description="requests (lines) of one batch input file; more fails the batch "
+                           "(OpenAI's bound)")
     max_line_bytes: int = Field(1_000_000, ge=1024, description="one line (request) of a batch input file, like "
                                 "limits.max_body_bytes for a live request; a longer line fails the batch naming it")
     max_attempts: int = Field(3, ge=1, description="a batch whose processing fails this many times (an unexpected error, "
@@ -368,14 +392,19 @@ class HealthConfig(StrictModel):
 
 
 class PlatformConfig(StrictModel):
-    model: str = "swiftkv"
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    """The whole platform: the gateway's address, its pools and the settings of each part (platform.yaml)."""
+
+    model: str = Field("swiftkv", description="public model name: requests for it are routed between the pools (each pool "
+                       "also answers to its served_model_name)")
+    host: str = Field("127.0.0.1", description="address the gateway listens on (0.0.0.0: every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="port the gateway listens on (0: one the OS picks)")
     workers: int = Field(1, ge=1, description="gateway processes accepting on the one port (`swiftkv serve --workers`), for pools "
                          "on Ray or remote servers; per-key limits are shared between them only through redis_url")
-    pools: dict[str, PoolConfig]
-    routing: RoutingConfig = Field(default_factory=RoutingConfig)
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    pools: dict[str, PoolConfig] = Field(description="the engine pools by name: swiftkv (the SwiftKV model) and/or base "
+                                         "(the base model)")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="how the gateway chooses a pool for each request")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="bounds on client requests checked at the edge, "
+                                 "and per-key rate limits")
     api_keys_file: str | None = Field(None, description="file of API keys (one per line, plain or sha256:<hex>)")
     ray_address: str | None = Field(None, description="Ray cluster to join; default: start a local one")
     data_dir: str = Field("~/.local/share/swiftkv", description="batch files and the embedded SQLite database")
@@ -383,8 +412,9 @@ class PlatformConfig(StrictModel):
     redis_url: str | None = Field(None, description="Redis (redis://host:6379/0) holding the per-key rate limits that several "
                                   "gateway processes share, and carrying their live traffic to each other's batch runners; "
                                   "default: each process keeps its own limits in memory and sees only its own live traffic")
-    batch: BatchConfig = Field(default_factory=BatchConfig)
-    health: HealthConfig = Field(default_factory=HealthConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="the Batch API's runner and its files")
+    health: HealthConfig = Field(default_factory=HealthConfig, description="health checks of each pool and recovery of one "
+                                 "that is down")
 
     @model_validator(mode="after")
     def _pools(self) -> "PlatformConfig":

@@ -465,7 +465,7 @@ def demo_command(
 def default_dual_mode(cfg) -> None:
     """On a CPU the embedded default runs both pools on the SwiftKV checkpoint as dual-mode engines, each serving the base
     model too, per request: there rag at capacity ran as two SwiftKV engines do and conversations faster than on two
-    base engines, each model within 0-3% of its own engine's speed (BENCHMARKS.md, "Dual-mode engines"). On a GPU a
+    base engines, each model within 0-3% of its own engine's speed (docs/benchmarks.md, "Dual-mode engines"). On a GPU a
     dual-mode engine gives up CUDA graphs, not yet measured there, so each pool keeps its one model; so it does where the
     SwiftKV model cannot serve its base model (no SwiftKV checkpoint prepared, AcrossKV, merged adapters)."""
     from swiftkv_core.hardware import vllm_on_cpu

@@ -16,7 +16,7 @@ platform's two pools) would compute on the same core. `plan_cpu_binding` gives e
 own cores instead (a pool's `cpu_cores`).
 
 vLLM on CPU asks for tcmalloc in LD_PRELOAD and preloads a copy it bundles in some builds; with glibc's
-malloc an engine's RSS kept growing through a 30-minute soak (RELIABILITY.md). `preload_tcmalloc` puts the
+malloc an engine's RSS kept growing through a 30-minute soak (docs/reliability.md). `preload_tcmalloc` puts the
 operating system's tcmalloc there before in-process engines start, where it is installed.
 """
 

@@ -1,7 +1,7 @@
 """`swiftkv bench engine --speculative`: option parsing and checks, the rows computed from vLLM's counters and
 request stats, the per-engine metrics, the prompts (quote: copies spans of its document; chat: open), and the
 refusal of a SwiftKV model speculating on a GPU. No engine starts here: the phase that runs engines is exercised
-by the benchmark itself (BENCHMARKS.md)."""
+by the benchmark itself (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def test_crosscheck_with_guidellm(running, tiny_base, corpus, tmp_path):
     assert abs(ours["prompt_tokens_mean"] - theirs["prompt_tokens_mean"]) <= 2, (ours, theirs)
     # throughput is held near the arrival rate on both sides, so it agrees in order; a 64-token TTFT on two
     # shared cores is decided by whichever process the scheduler ran (guidellm's own workers among them), so
-    # its ratio is only required to exist: agreement is measured on a quiet machine (BENCHMARKS.md)
+    # its ratio is only required to exist: agreement is measured on a quiet machine (docs/benchmarks.md)
     for key, value in report["ratios_ours_over_guidellm"].items():
         assert value is not None and value > 0 and (0.2 < value < 5 or key.startswith("ttft")), (key, value, ours, theirs)
     # constant rate 4/s, 10 requests: both spans are about 2.5 s plus the last request

@@ -1,8 +1,13 @@
 import json
+import typing
 
 import pytest
+from pydantic import BaseModel
 from transformers import AutoConfig, LlamaConfig
 
+from services.config import PlatformConfig
+from services.training.hyperparameters import DistillationHyperparameters
+from services.training.service import TrainerSettings
 from swiftkv_core.config import (
     ARCHITECTURE,
     LlamaSwiftKVConfig,
@@ -111,3 +116,28 @@ def test_engine_config_refusals_are_the_one_swiftkv_config_error(tiny_swiftkv):
     with pytest.raises(pydantic.ValidationError) as wrapped:
         engine_config(kv_offloading_size=1.0)
     assert isinstance(wrapped.value.errors()[0]["ctx"]["error"], SwiftKVConfigError)
+
+
+def _undescribed_fields(model: type[BaseModel], seen: set[type]) -> list[str]:
+    """`Model.field` for each field of `model`, and of the models its fields hold (dict values, optionals), without a
+    description."""
+    seen.add(model)
+    missing = []
+    for name, field in model.model_fields.items():
+        if not field.description:
+            missing.append(f"{model.__name__}.{name}")
+        nested, kinds = [], [field.annotation]
+        while kinds:  # unwrap dict[str, PoolConfig], X | None, Annotated[...] down to the models inside
+            kind = kinds.pop()
+            kinds += typing.get_args(kind)
+            if isinstance(kind, type) and issubclass(kind, BaseModel) and kind not in seen:
+                nested.append(kind)
+        for inner in nested:
+            missing += _undescribed_fields(inner, seen)
+    return missing
+
+
+@pytest.mark.parametrize("model", [PlatformConfig, DistillationHyperparameters, TrainerSettings], ids=lambda m: m.__name__)
+def test_every_setting_has_a_description(model):
+    """The docs site's reference pages render these descriptions: a field without one would be a bare name there."""
+    assert _undescribed_fields(model, set()) == []

@@ -9,7 +9,7 @@ tests/deploy_crds/. Nothing is downloaded at test time.
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import json
 import re
 import sys
@@ -64,6 +64,7 @@ def test_install_dry_run_client(values):
     assert "kubectl -n llm port-forward svc/swiftkv-trainer 8001:8001" in release["notes"]
     # ReadWriteOnce models (the default) tie the pods that mount them to one node: said at install
     assert ("NOTE: models.persistence.accessModes [\"ReadWriteOnce\"]" in release["notes"]) == (values is None or values.stem == "cpu-small")
+    assert all(page in release["notes"] for page in ("swiftkv/README.md", "docs/deploy/index.md", "docs/operations/alerts.md"))
     assert [d["kind"] for d in yaml.safe_load_all(release["manifest"]) if d] == [o["kind"] for o in render(values)]
     lint = helm.lint(str(CHART), user_values, strict=True)
     assert not lint["errors"], lint
@@ -237,6 +238,34 @@ def test_values_schema_refuses_wrong_values(override, message):
     proc = run(tool("helm"), "template", "swiftkv", CHART, *override, check=False)
     assert proc.returncode != 0
     assert "values don't meet the specifications of the schema" in proc.stderr and message in proc.stderr, proc.stderr
+
+
+def _chart_readme():
+    """scripts/chart_readme.py, which writes the chart README's values tables (a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location("chart_readme", ROOT / "scripts" / "chart_readme.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_values_schema_property_has_a_description():
+    """The chart README, the docs site's Helm values page and editors (through the schema) show each value by its
+    description."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    walk = _chart_readme().helm_values.schema_paths  # the walk the README's and the docs site's tables make
+    assert [".".join(path) for path, prop in walk(schema) if not prop.get("description")] == []
+
+
+def test_chart_readme_values_tables_are_generated_from_the_chart():
+    """The README's tables are what values.yaml and values.schema.json say now: `python scripts/chart_readme.py`
+    rewrites them."""
+    chart_readme = _chart_readme()
+    readme = (CHART / "README.md").read_text()
+    assert readme == chart_readme.with_reference(readme, chart_readme.values_reference()), \
+        "deploy/helm/swiftkv/README.md is stale: run `python scripts/chart_readme.py`"
+    # a type's pipes escaped for GitHub's tables, a pool's key with each pool's default
+    assert '| `platform.pools.<name>.backend` | `"engine" \\| "remote"` |  |' in readme
+    assert "| `platform.pools.<name>.replicas.min` | `integer, ≥ 0` | swiftkv: `1`, base: `1` |" in readme
 
 
 def test_sqlite_with_one_replica_is_accepted():

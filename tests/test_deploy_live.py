@@ -107,7 +107,7 @@ def test_every_panel_and_alert_query_returns_data_from_a_live_platform(platform,
         trained = httpx.get(f"{api}/query", params={"query": "sum(swiftkv_training_tokens_total)"}, timeout=10).json()["data"]["result"]
         assert float(trained[0]["value"][1]) == QUICK["n_steps"] * QUICK["batch_size"] * QUICK["seq_len"]
 
-        # the latency panels as a picture, from the same queries (README: SWIFTKV_DASHBOARD_PNG=deploy/grafana/latency.png)
+        # the latency panels as a picture, from the same queries (docs/deploy/observability.md: SWIFTKV_DASHBOARD_PNG=docs/dashboard-latency.png)
         import render_png
 
         for out in [tmp_path / "latency.png"] + ([Path(os.environ["SWIFTKV_DASHBOARD_PNG"])] if os.environ.get("SWIFTKV_DASHBOARD_PNG") else []):

@@ -11,7 +11,7 @@ override it:
   grew), and at low load the intent stands. A faster pool drains its work sooner and so takes more. The pools are
   compared by work, not by seconds at each pool's measured prefill rate: measured under load, a rate reflects the
   engine's batch at that moment, and comparing by it sent too much to whichever pool was momentarily less loaded
-  (BENCHMARKS.md, "pools compared by measured prefill rate"). The measured rate predicts each request's time to
+  (docs/benchmarks.md, "pools compared by measured prefill rate"). The measured rate predicts each request's time to
   first token for the metrics, beside the measured one.
 - Prefix cache (`routing.cache_aware`): the prompt tokens a pool holds cached (services.common.prefix_index) cost it
   no prefill, so a conversation's next turn stays where its history is cached unless the other pool's predicted work

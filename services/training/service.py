@@ -16,7 +16,7 @@ from typing import Annotated
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from starlette.responses import JSONResponse, Response
 
@@ -38,31 +38,36 @@ log = logging.getLogger("swiftkv.training")
 class TrainerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SWIFTKV_TRAINER_")
 
-    host: str = "127.0.0.1"  # a cluster sets 0.0.0.0 (the chart does), with the gateway's API keys
-    port: int = 8001
-    # The gateway's keys (a key sees only its own files and jobs): this file (--api-keys-file), else
-    # SWIFTKV_API_KEYS_FILE, plus SWIFTKV_API_KEYS. No keys: one anonymous tenant.
-    api_keys_file: str | None = None
-    # Hub ids (or glob patterns: "meta-llama/*") a job may download as its base model; none by default, so only
-    # models in models_dir and the names `swiftkv models prepare` builds can be distilled.
-    allowed_models: Annotated[list[str], NoDecode] = []
-    max_body_bytes: int = 1_000_000  # a JSON request body; more is a 413 (an upload's bound is max_file_bytes)
-    data_dir: str = "data/trainer"
-    database_url: str | None = None  # default: SQLite file in data_dir
-    models_dir: str = "models"  # where finished jobs publish their SwiftKV checkpoints (`swiftkv models list --dir`)
-    ray_address: str | None = None
-    ray_num_gpus: float = 0
-    max_file_bytes: int = 512 << 20
-    checkpoint_every: int = 50  # steps between resumable checkpoints
-    events_every: int = 10  # steps between metrics events
-    eval_max_tokens: int = 16384  # packed tokens of the final evaluation (0: no evaluation)
-    eval_prompts: int = 4  # short prompts for greedy agreement
-    eval_gen_tokens: int = 16
-    threads: int | None = None  # torch threads of the job process
-    poll_seconds: float = 0.5
-    # On a stop, the running local job saves its state at the end of its step; past this it is killed and resumes
-    # from its last periodic checkpoint (keep the pod's terminationGracePeriodSeconds above it).
-    stop_timeout_seconds: float = 30.0
+    host: str = Field("127.0.0.1", description="address to listen on; a cluster sets 0.0.0.0 (the chart does), with the "
+                      "gateway's API keys")
+    port: int = Field(8001, description="port to listen on")
+    api_keys_file: str | None = Field(None, description="the gateway's API keys file (a key sees only its own files and jobs); "
+                                      "default: SWIFTKV_API_KEYS_FILE, plus SWIFTKV_API_KEYS either way; no keys: one "
+                                      "anonymous tenant")
+    allowed_models: Annotated[list[str], NoDecode] = Field(
+        [], description="hub ids or glob patterns (\"meta-llama/*\") a job may download as its base model, comma-separated "
+        "in the environment; empty: only models in models_dir and the names `swiftkv models prepare` builds")
+    max_body_bytes: int = Field(1_000_000, description="a JSON request body; more is a 413 (an upload's bound is max_file_bytes)")
+    data_dir: str = Field("data/trainer", description="run folders (data, checkpoints, logs), uploaded files and the SQLite store")
+    database_url: str | None = Field(None, description="SQLAlchemy URL of the jobs and files store (postgresql://...); "
+                                     "default: SQLite file in data_dir")
+    models_dir: str = Field("models", description="where jobs find local base models and publish their finished SwiftKV "
+                            "checkpoints (`swiftkv models list --dir`)")
+    ray_address: str | None = Field(None, description="Ray job submission address (http://head:8265): each job attempt runs "
+                                    "as a Ray job, with data_dir on storage the workers share; default: a child process here")
+    ray_num_gpus: float = Field(0, description="GPUs each Ray job asks for (0: none; ray_address only)")
+    max_file_bytes: int = Field(512 << 20, description="largest uploaded file, in bytes; more is a 413")
+    checkpoint_every: int = Field(50, description="steps between resumable checkpoints")
+    events_every: int = Field(10, description="steps between metrics events of a job")
+    eval_max_tokens: int = Field(16384, description="packed tokens of the final evaluation (0: no evaluation)")
+    eval_prompts: int = Field(4, description="short prompts for the evaluation's greedy agreement")
+    eval_gen_tokens: int = Field(16, description="tokens generated greedily per evaluation prompt by teacher and student")
+    threads: int | None = Field(None, description="torch threads of the job process; default: torch's own choice")
+    poll_seconds: float = Field(0.5, description="how often the worker loop looks at the running job and the queue when "
+                                "no request wakes it")
+    stop_timeout_seconds: float = Field(30.0, description="on a stop, the running local job saves its state at the end of its "
+                                        "step; past this it is killed and resumes from its last periodic checkpoint (keep "
+                                        "the pod's terminationGracePeriodSeconds above it)")
 
     @field_validator("allowed_models", mode="before")
     @classmethod
