@@ -211,7 +211,9 @@ def platform_config(name: str, cfg: PlatformBenchConfig, port: int) -> dict:
                 **dual}
 
     return {"model": PUBLIC, "host": "127.0.0.1", "port": port, "pools": {"swiftkv": pool(swiftkv), "base": pool(base)},
-            "limits": {"max_body_bytes": 4_000_000}, **({"routing": routing} if routing else {})}
+            "limits": {"max_body_bytes": 4_000_000},
+            # the route's reason in the x-swiftkv-route header: the bench counts requests by it
+            "routing": {"expose_reason": True, **(routing or {})}}
 
 
 def model_names(name: str) -> list[str]:

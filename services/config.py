@@ -9,6 +9,8 @@ replica/autoscaling settings. With no file, the embedded DEFAULT_CONFIG serves S
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -150,6 +152,9 @@ class PoolConfig(StrictModel):
                                         "list: several servers of the model, each request sent to the one its prompt's "
                                         "prefix and the servers' load choose (services/serving/replicas.py)")
     api_key: str | None = Field(None, description="bearer key for the remote server")
+    api_key_env: str | None = Field(None, description="environment variable holding the remote server's bearer key, read when "
+                                    "the gateway starts (as vLLM's VLLM_API_KEY and OpenAI's OPENAI_API_KEY are): keeps the key out "
+                                    "of the config file, e.g. a Kubernetes Secret beside a ConfigMap; not with api_key")
     kv_events_endpoint: str | list[str] | None = Field(None, description="ZMQ endpoint where the remote server publishes vLLM's "
                                                        "KV-cache events (its --kv-events-config endpoint, e.g. tcp://host:5557), "
                                                        "one per url; read when routing.kv_events is on")
@@ -195,6 +200,12 @@ class PoolConfig(StrictModel):
         for endpoint in self.kv_event_endpoints:
             if not endpoint.startswith(("tcp://", "ipc://")):
                 raise ValueError(f"`kv_events_endpoint` {endpoint!r} is not a ZMQ endpoint: tcp://host:port or ipc://path")
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("the remote server's key is given twice: set api_key or api_key_env, not both")
+        if self.api_key_env is not None and self.backend != "remote":
+            raise ValueError("api_key_env is for remote pools: the key the gateway sends to the server at `url`")
+        if self.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+            raise ValueError(f"api_key_env {self.api_key_env!r} is not an environment variable name (the name, without $)")
         if self.backend == "remote" and self.ray_app:
             raise ValueError("`ray_app` is for engine pools on Ray; a remote pool is reached at its `url`")
         if self.backend == "remote" and self.speculative.enabled:
@@ -210,6 +221,16 @@ class PoolConfig(StrictModel):
     def urls(self) -> list[str]:
         """The remote servers of this pool (none for an engine pool)."""
         return [self.url] if isinstance(self.url, str) else list(self.url or [])
+
+    def remote_api_key(self, name: str) -> str | None:
+        """The remote server's key: api_key, or the variable api_key_env names, read now (the gateway's start)."""
+        if self.api_key_env is None:
+            return self.api_key
+        key = os.environ.get(self.api_key_env, "").strip()
+        if not key:
+            raise ValueError(f"pools.{name}.api_key_env: the environment variable {self.api_key_env} that holds the remote "
+                             "server's key is not set (or empty)")
+        return key
 
     @property
     def kv_event_endpoints(self) -> list[str]:
@@ -267,6 +288,15 @@ class RoutingConfig(StrictModel):
                                             "keeps cached, its KV-cache capacity (vLLM's num_gpu_blocks * block_size); the "
                                             "gateway forgets the least recently sent beyond it. null: what in-process engines "
                                             "report, else 16,384")
+    share_prefix_cache: bool = Field(False, description="with API keys: let every key's requests share the engines' prefix "
+                                     "caches (and cache-aware routing see them all), for a deployment whose keys trust one "
+                                     "another. Off: each key's cache is its own (vLLM's cache_salt, from a digest of the key), "
+                                     "so no key learns from a cache hit or a route what another sent; a prompt two keys share "
+                                     "(a system prompt) is then cached and prefilled once per key. Without keys: one tenant, shared")
+    expose_reason: bool = Field(False, description="put why a request was routed (`reason=...; ratio=...`) in its "
+                                "x-swiftkv-route header, beside the pool; off: the pool (and `mode=`) only, the reason in "
+                                "the logs and metrics, since a `prefix` reason tells a client another's recent prompt "
+                                "(docs/concepts/routing.md)")
 
     @model_validator(mode="before")
     @classmethod
@@ -303,6 +333,9 @@ class LimitsConfig(StrictModel):
     max_n: int = Field(16, ge=1, description="choices per request (n)")
     max_logit_bias: int = Field(1024, ge=1, description="logit_bias entries")
     max_tools: int = Field(128, ge=1, description="tools of a chat request (OpenAI's bound)")
+    max_content_parts: int = Field(4096, ge=1, description="content parts and tool calls of all the messages of a chat "
+                                   "request together; more is a 400. Each is an object to validate: the bound keeps what "
+                                   "one body costs the gateway's CPU (which holds the GIL) small whatever its bytes")
     max_concurrent_requests: int | None = Field(512, ge=1, description="generation, /tokenize and /detokenize requests one gateway process holds at once "
                                                 "(streams until their last byte); more are a 503 with Retry-After; null: no cap")
     header_timeout_seconds: float = Field(10.0, gt=0, description="from a connection's (or request's) first byte to the end of "
@@ -354,6 +387,9 @@ class BatchConfig(StrictModel):
                                    "prefills. The prompt work done on an aborted line is lost unless prefix caching keeps it")
     priority: int = Field(10, description="vLLM priority of batch requests (live: 0; lower runs first; used by engines with scheduling_policy=priority)")
     max_active_batches: int = Field(4, ge=1, description="batches one gateway process works at once")
+    max_active_per_key: int | None = Field(16, ge=1, description="batches one key may have validating, in_progress or "
+                                           "finalizing at once; creating one more is a 429 too_many_active_batches (one "
+                                           "input file may back any number of batches); null: no cap")
     max_lines: int = Field(50_000, ge=1, description="requests (lines) of one batch input file; more fails the batch "
                            "(OpenAI's bound)")
     max_line_bytes: int = Field(1_000_000, ge=1024, description="one line (request) of a batch input file, like "
@@ -431,9 +467,9 @@ class PlatformConfig(StrictModel):
             if pool.ray_app and not self.ray_address:
                 raise ValueError(f"pools.{name}.ray_app attaches to an application on a running Ray cluster: set ray_address")
             if pool.dual_mode and self.routing.kv_events:
-                raise ValueError(f"pools.{name}.dual_mode with routing.kv_events: the gateway's block hashes do not include "
-                                 "vLLM's cache salt yet, so the events of a dual-mode engine's base-mode blocks would not "
-                                 "match them; turn routing.kv_events off (the index then predicts what the engines hold)")
+                raise ValueError(f"pools.{name}.dual_mode with routing.kv_events: the gateway's block hashes include an API "
+                                 "key's cache salt but not the base mode's, so the events of a dual-mode engine's base-mode "
+                                 "blocks would not match them; turn routing.kv_events off (the index then predicts what the engines hold)")
         names = [self.served_name(p) for p in self.pools] + [self.model]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be distinct: {names}")

@@ -13,7 +13,8 @@ The contract between whoever sends a request and the engine (pure Python: the ga
 - a base-mode request carries `SamplingParams.extra_args = {"swiftkv_mode": "base"}` (`vllm_xargs` in an OpenAI
   request to a vLLM server) and the cache salt BASE_MODE_CACHE_SALT: the later layers' KV of the two modes differ,
   so their prefix-cache blocks must never be shared, and vLLM keys blocks by the salt. A request without the key runs
-  in SwiftKV mode, as on a single-mode SwiftKV engine.
+  in SwiftKV mode, as on a single-mode SwiftKV engine. Where the gateway keeps API keys' caches apart, the key's salt
+  joins the mode's (`cache_salt`): this module forms every salt an engine gets.
 """
 
 from __future__ import annotations
@@ -39,15 +40,17 @@ def extra_args(mode: Mode | None) -> dict | None:
     return {MODE_ARG: "base"} if mode == "base" else None
 
 
-def cache_salt(mode: Mode | None) -> str | None:
-    """The prefix-cache salt of a request in `mode` (None: the SwiftKV mode shares blocks with single-mode engines)."""
+def cache_salt(mode: Mode | None, key_salt: str | None = None) -> str | None:
+    """The prefix-cache salt of a request in `mode` (None: the SwiftKV mode shares blocks with single-mode engines),
+    combined with its API key's (`key_salt`, which keeps one key's blocks apart from another's): vLLM takes one salt
+    per request, so a base-mode request of a key is salted `<mode salt>:<key salt>`."""
     check_mode(mode)
-    return BASE_MODE_CACHE_SALT if mode == "base" else None
+    return ":".join(s for s in (BASE_MODE_CACHE_SALT if mode == "base" else None, key_salt) if s) or None
 
 
-def with_cache_salt(prompt: dict, mode: Mode | None) -> dict:
-    """An engine prompt (`{"prompt_token_ids": ...}`) with the prefix-cache salt of `mode`, where it has one."""
-    salt = cache_salt(mode)
+def with_cache_salt(prompt: dict, mode: Mode | None, key_salt: str | None = None) -> dict:
+    """An engine prompt (`{"prompt_token_ids": ...}`) with the prefix-cache salt of `mode` and `key_salt`, where it has one."""
+    salt = cache_salt(mode, key_salt)
     return prompt if salt is None else {**prompt, "cache_salt": salt}
 
 

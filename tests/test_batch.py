@@ -448,7 +448,9 @@ def crash_platform(work: Path, name: str, upstream, tiny_base, data_dir: Path, d
     (work / "keys").write_text(f"{KEY_A}\n{KEY_B}\n")
     config = {"model": PUBLIC, "pools": {"base": {"backend": "remote", "url": f"{upstream.base}/v1", "model": str(tiny_base),
                                                   "served_model_name": "upstream", "engine_args": {"max_model_len": MAX_MODEL_LEN}}},
-              "batch": SLOW_BATCH}
+              "batch": SLOW_BATCH,
+              # the keys share the prefix cache: per-key caches send vLLM's cache_salt, which the upstream gateway refuses
+              "routing": {"share_prefix_cache": True}}
     args = ["--engine", "inprocess", "--api-keys-file", str(work / "keys"), "--data-dir", str(data_dir)]
     return swiftkv_serve(work, config, *args, *(["--database-url", database_url] if database_url else []), name=name)
 

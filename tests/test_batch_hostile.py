@@ -259,3 +259,71 @@ def test_an_expired_batch_lists_every_line_not_run_in_input_order(tiny_base, tmp
                 (f"l{i}", "batch_expired") for i in range(4)]
 
     asyncio.run(run())
+
+
+def test_a_streamed_line_is_refused_before_the_key_is_charged(tiny_base, tmp_path):
+    """A line with stream true is a 400 naming `stream` in the error file, refused before the gateway charges the key:
+    it used to be refused after admission, its 30-token output reservation never given back, so the key's live
+    request for 30 tokens right after got a 429."""
+    backends, gw = gated_gateway(tiny_base, tmp_path, limits={"output_tokens_per_minute": 40})
+    streamed = {"model": "m", "prompt": "hello", "max_tokens": 30, "stream": True}
+
+    async def run():
+        for b in backends.values():
+            b.gate.set()
+        async with gw.running() as c:
+            batch = await status_becomes(c, await submit(c, [line("s", streamed)]), "completed", "failed")
+            assert batch["request_counts"] == {"total": 1, "completed": 0, "failed": 1}
+            [err] = await contents(c, batch["error_file_id"])
+            assert (err["response"]["status_code"], err["response"]["body"]["error"]["param"]) == (400, "stream")
+            live = await c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 30})
+            assert live.status_code == 200, live.text
+
+    asyncio.run(run())
+
+
+def test_a_key_may_have_only_max_active_per_key_batches_from_one_file(tiny_base, tmp_path):
+    """One input file used to back any number of batches: past batch.max_active_per_key active ones the key gets a 429
+    too_many_active_batches naming the limit; another key is not affected, and a cancelled batch frees its place."""
+    backends, gw = gated_gateway(tiny_base, tmp_path, batch={"max_active_per_key": 2}, keys=(KEY_A, KEY_B))
+
+    async def run():
+        async with gw.running() as c:
+            a, b = ({"Authorization": f"Bearer {k}"} for k in (KEY_A, KEY_B))
+            first = await submit(c, [line("x")], KEY_A)  # held on the engine: it stays in progress
+            again = {"input_file_id": first["input_file_id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+            assert (await c.post("/v1/batches", json=again, headers=a)).status_code == 200
+            refused = await c.post("/v1/batches", json=again, headers=a)
+            assert refused.status_code == 429, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "too_many_active_batches" and "batch.max_active_per_key" in error["message"]
+            assert (await submit(c, [line("y")], KEY_B))["status"] == "validating"
+            assert (await c.post(f"/v1/batches/{first['id']}/cancel", headers=a)).status_code == 200
+            assert (await c.post("/v1/batches", json=again, headers=a)).status_code == 200
+            for backend in backends.values():
+                backend.gate.set()
+
+    asyncio.run(run())
+
+
+def test_batch_output_counts_against_the_keys_storage_quota(tiny_base, tmp_path):
+    """The output is written whatever the quota (OpenAI still produces it) and counted: past the quota the key can
+    upload nothing until it deletes the output. The batch's line results are dropped once its files are written."""
+    backends, gw = gated_gateway(tiny_base, tmp_path, batch={"max_storage_bytes_per_key": 2048})
+
+    async def run():
+        for b in backends.values():
+            b.gate.set()
+        async with gw.running() as c:
+            batch = await status_becomes(c, await submit(c, [line(f"l{i}") for i in range(6)]), "completed", "failed")
+            assert batch["status"] == "completed" and len(await contents(c, batch["output_file_id"])) == 6
+            used = sum(f["bytes"] for f in (await c.get("/v1/files")).json()["data"])
+            assert used > 2048
+            small = {"file": ("in.jsonl", line("z") + b"\n")}
+            refused = await c.post("/v1/files", files=small, data={"purpose": "batch"})
+            assert refused.status_code == 413 and refused.json()["error"]["code"] == "storage_quota_exceeded"
+            assert gw.service.store.done_lines(batch["id"]) == set()
+            assert (await c.delete(f"/v1/files/{batch['output_file_id']}")).status_code == 200
+            assert (await c.post("/v1/files", files=small, data={"purpose": "batch"})).status_code == 200
+
+    asyncio.run(run())

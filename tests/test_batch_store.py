@@ -3,6 +3,7 @@ dropped per module), the file store, and the input file parser."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import threading
@@ -12,8 +13,9 @@ import tracemalloc
 import pytest
 from sqlalchemy import text
 
-from services.batch.batch_input import parse_input, read_body
-from services.batch.store import BatchStore
+from services.batch.batch_input import Line, parse_input, read_body
+from services.batch.runner import Job
+from services.batch.store import BatchStore, TooManyActive
 from services.common.files import FileStore, FileTooLarge
 from services.common.ids import new_id
 
@@ -294,3 +296,141 @@ def test_workers_dying_on_a_batch_fail_it_after_max_attempts(store):
         assert store.claim("A", 30, max_attempts=3)["id"] == released
         store.release(released, "A")
     assert store.get_batch("alice", released)["status"] == "in_progress"
+
+
+def test_finish_publishes_only_under_the_lease_and_drops_the_results(store):
+    """The files move into place inside finish(), after the compare-and-set on the lease holder and before the commit:
+    a worker whose lease lapsed and was taken over publishes nothing. The final batch's line results go (its files
+    hold them; they used to stay forever), and a late line from the lapsed worker neither comes back nor counts."""
+    batch_id = add_batch(store, status="finalizing")
+    for n in (1, 2):
+        assert store.record(batch_id, n, f"c{n}", 200, f"r{n}", {"id": "x", "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+    assert store.claim("A", 0.05)["id"] == batch_id
+    time.sleep(0.1)  # A's lease lapses during its finalize
+    assert store.claim("B", 30)["lease_owner"] == "B"
+    published = []
+    assert not store.finish(batch_id, "A", {"status": "completed"}, [], ("finalizing",), lambda: published.append("A"))
+    assert published == [] and store.done_lines(batch_id) == {1, 2}
+
+    out = {"id": "file-out", "owner": "alice", "purpose": "batch_output", "filename": "o", "bytes": 1, "created_at": 0}
+
+    def fails() -> None:
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError):  # publishing failed: nothing of the finish is kept, the results included
+        store.finish(batch_id, "B", {"status": "completed", "output_file_id": "file-out"}, [out], ("finalizing",), fails)
+    b = store.get_batch("alice", batch_id)
+    assert (b["status"], b["lease_owner"], store.files.get("alice", "file-out")) == ("finalizing", "B", None)
+    assert store.done_lines(batch_id) == {1, 2}
+
+    assert store.finish(batch_id, "B", {"status": "completed", "output_file_id": "file-out"}, [out], ("finalizing",),
+                        lambda: published.append("B"))
+    assert published == ["B"] and store.files.get("alice", "file-out") is not None
+    assert store.done_lines(batch_id) == set() and list(store.results(batch_id, ok=True)) == []
+    assert not store.record(batch_id, 1, "c1", 200, "r9", {"id": "x", "usage": {"prompt_tokens": 5, "completion_tokens": 5}})
+    b = store.get_batch("alice", batch_id)
+    assert (b["completed"], b["prompt_tokens"], store.done_lines(batch_id)) == (2, 2, set())
+
+
+def test_a_batch_failed_after_its_attempts_keeps_no_results(store):
+    batch_id = add_batch(store)
+    assert store.record(batch_id, 1, "c1", 200, "r1", {"id": "x"})
+    assert store.claim("A", 30)["id"] == batch_id
+    assert store.fail_attempt(batch_id, "A", 1, [{"code": "batch_processing_failed", "message": "x", "param": None, "line": None}])
+    assert store.get_batch("alice", batch_id)["status"] == "failed" and store.done_lines(batch_id) == set()
+
+
+def test_a_key_may_have_only_max_active_batches_at_once(store):
+    """Checked in the insert's transaction (one key's creates serialized on PostgreSQL): eight concurrent creates at a
+    cap of 3 leave exactly 3; final and cancelling batches and other keys' do not count."""
+    add_batch(store, status="completed")
+    add_batch(store, status="cancelling")
+    add_batch(store, owner="bob")
+    outcomes: list[str] = []
+
+    def create() -> None:
+        record = {"id": new_id("batch_"), "owner": "alice", "endpoint": "/v1/chat/completions", "input_file_id": "file-x",
+                  "completion_window": "24h", "status": "validating", "created_at": 0, "expires_at": 60}
+        try:
+            store.add_batch(record, max_active=3)
+            outcomes.append("ok")
+        except TooManyActive as e:
+            assert (e.active, e.limit) == (3, 3)
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=create) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["ok"] * 3 + ["refused"] * 5
+    assert sum(b["status"] == "validating" for b in store.list_batches("alice", None, 100)[0]) == 3
+
+
+class _Runner:
+    """What a Job uses of its Runner: the store, the file store, the worker's name, a thread to run store calls in."""
+
+    def __init__(self, store, files: FileStore, worker: str):
+        self.store, self.files, self.worker = store, files, worker
+
+    async def io(self, fn, *args, **kwargs):
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+class _PausedStore:
+    """The store, but its result rows stop after the first until `go` (a worker stalled mid-write, e.g. a GC pause)."""
+
+    def __init__(self, store: BatchStore):
+        self.store, self.reached, self.go = store, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def results(self, batch_id: str, ok: bool):
+        for i, row in enumerate(self.store.results(batch_id, ok)):
+            if i == 1:
+                self.reached.set()
+                self.go.wait(10)
+            yield row
+
+
+def test_a_worker_whose_lease_lapsed_mid_finalize_leaves_the_new_holders_files_alone(store, tmp_path):
+    """A stalls while writing the output file, its lease lapses and B finalizes the batch. A then finishes writing: it
+    wrote into a part file of its own (both used to write `.file-…-output.part`: B moved it into place under A's
+    feet and A's commit raised FileNotFoundError) and, no longer holding the lease, moves nothing into place."""
+    files = FileStore(tmp_path / "files")
+    batch_id = add_batch(store, status="finalizing")
+    lines = [Line(n, 0, 0, f"c{n}") for n in (1, 2, 3)]
+    for line in lines:
+        assert store.record(batch_id, line.number, line.custom_id, 200, f"r{line.number}", {"id": "x", "n": line.number})
+    paused = _PausedStore(store)
+    job_a = Job(_Runner(paused, files, "A"), store.claim("A", 0.2))
+
+    async def run():
+        a = asyncio.create_task(job_a.finalize(lines, "completed"))
+        await asyncio.to_thread(paused.reached.wait, 10)
+        await asyncio.sleep(0.3)  # A's lease lapses while it writes
+        job_b = Job(_Runner(store, files, "B"), store.claim("B", 30))
+        await job_b.finalize(lines, "completed")
+        b = store.get_batch("alice", batch_id)
+        target = files.path(b["output_file_id"])
+        written = (target.stat().st_ino, target.read_bytes())
+        paused.go.set()
+        await a  # raised FileNotFoundError before
+        assert (target.stat().st_ino, target.read_bytes()) == written
+        assert [json.loads(x)["custom_id"] for x in written[1].splitlines()] == ["c1", "c2", "c3"]
+        assert (b["status"], store.files.get("alice", b["output_file_id"])["bytes"]) == ("completed", len(written[1]))
+        assert [p.name for p in files.root.iterdir() if p.name.endswith(".part")] == []  # A's part removed
+
+    asyncio.run(run())
+
+
+def test_results_of_batches_finished_earlier_are_pruned(store):
+    """Batches that ended before finish() dropped their results (an older database) lose them to the sweep; a running
+    batch keeps its own."""
+    running, old = add_batch(store), add_batch(store)
+    for batch_id in (running, old):
+        assert store.record(batch_id, 1, "c1", 200, "r1", {"id": "x"})
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE swiftkv_batches SET status = 'completed' WHERE id = :id"), {"id": old})
+    assert store.prune_results() == 1 and store.prune_results() == 0
+    assert store.done_lines(old) == set() and store.done_lines(running) == {1}

@@ -664,7 +664,7 @@ def test_routed_dual_runs_the_swiftkv_model_as_dual_mode_engines_on_both_pools(t
     built = platform_config("routed-dual", PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift)), 8123)
     assert {name: (pool["model"], pool["dual_mode"]) for name, pool in built["pools"].items()} == {
         "swiftkv": (str(swift.resolve()), True), "base": (str(swift.resolve()), True)}
-    assert "routing" not in built and model_names("routed-dual") == [PUBLIC]
+    assert built["routing"] == {"expose_reason": True} and model_names("routed-dual") == [PUBLIC]
     platform = PlatformConfig.model_validate(built)
     assert (platform.routing.balance, platform.routing.cache_aware, platform.routing.kv_events) == (True, True, False)
     for pool in platform.pools.values():
@@ -672,8 +672,8 @@ def test_routed_dual_runs_the_swiftkv_model_as_dual_mode_engines_on_both_pools(t
     _check_models(platform)
     assert all("dual_mode" not in pool for name in ("routed", "routed-cache", "base", "swiftkv")
                for pool in platform_config(name, PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift)), 1)["pools"].values())
-    assert parse_route(Decision("base", "backlog", 12.5, mode="swiftkv").header()) == ("base", "backlog", "swiftkv")
-    assert parse_route(Decision("base", "backlog", 12.5).header()) == ("base", "backlog", None)
+    assert parse_route(Decision("base", "backlog", 12.5, mode="swiftkv").header(True)) == ("base", "backlog", "swiftkv")
+    assert parse_route(Decision("base", "backlog", 12.5).header(True)) == ("base", "backlog", None)
     records = [Record(i, "rag", PUBLIC, ttft_s=0.1, e2e_s=0.2, output_tokens=2, pool="base", route_reason="backlog",
                       mode="swiftkv" if i == 0 else None) for i in range(4)]
     assert figures(records, 1.0, 4.0, PlatformBenchConfig())["other_model_share"] == {"swiftkv": 0.25}

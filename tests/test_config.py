@@ -141,3 +141,24 @@ def _undescribed_fields(model: type[BaseModel], seen: set[type]) -> list[str]:
 def test_every_setting_has_a_description(model):
     """The docs site's reference pages render these descriptions: a field without one would be a bare name there."""
     assert _undescribed_fields(model, set()) == []
+
+
+def test_remote_pool_key_from_the_environment(monkeypatch):
+    """A remote pool's key in a ConfigMap-held config comes from the environment (api_key_env, as vLLM's VLLM_API_KEY
+    and OpenAI's OPENAI_API_KEY): read when the gateway builds the pool, refused when unset, never beside api_key."""
+    from services.config import PoolConfig
+    from services.serving.pools import remote_pool
+
+    remote = {"backend": "remote", "url": "http://server:8000/v1", "model": "m"}
+    with pytest.raises(ValueError, match="api_key or api_key_env"):
+        PoolConfig.model_validate(remote | {"api_key": "k", "api_key_env": "ENGINE_KEY"})
+    with pytest.raises(ValueError, match="api_key_env is for remote pools"):
+        PoolConfig.model_validate({"model": "m", "api_key_env": "ENGINE_KEY"})
+    with pytest.raises(ValueError, match="not an environment variable name"):
+        PoolConfig.model_validate(remote | {"api_key_env": "$ENGINE_KEY"})
+    cfg = PlatformConfig(model="m", pools={"base": remote | {"api_key_env": "ENGINE_KEY"}})
+    monkeypatch.delenv("ENGINE_KEY", raising=False)
+    with pytest.raises(ValueError, match="pools.base.api_key_env: the environment variable ENGINE_KEY .* is not set"):
+        remote_pool("base", cfg.pools["base"], cfg)
+    monkeypatch.setenv("ENGINE_KEY", "sk-engine\n")
+    assert remote_pool("base", cfg.pools["base"], cfg).client.headers["Authorization"] == "Bearer sk-engine"

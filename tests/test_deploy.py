@@ -342,6 +342,136 @@ def test_network_policy_peers_name_their_namespace():
         assert proc.returncode != 0 and f"networkPolicy.{name}[0]: namespaceSelector {{}}" in proc.stderr, proc.stderr
 
 
+def _pod_containers(obj: dict) -> list[tuple[dict, list[dict]]]:
+    """(pod spec, its containers and init containers) of a rendered workload; a RayService's head also runs the
+    autoscaler KubeRay adds from autoscalerOptions."""
+    spec = obj.get("spec", {})
+    if obj["kind"] == "Deployment":
+        pod = spec["template"]["spec"]
+        return [(pod, pod["containers"] + pod.get("initContainers", []))]
+    if obj["kind"] != "RayService":
+        return []
+    cluster = spec["rayClusterConfig"]
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    autoscaler = [dict(cluster.get("autoscalerOptions", {}), name="autoscaler")] if cluster.get("enableInTreeAutoscaling") else []
+    out = [(head, head["containers"] + autoscaler)]
+    for group in cluster["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        out.append((pod, pod["containers"] + pod.get("initContainers", [])))
+    return out
+
+
+def test_every_container_has_a_read_only_root_filesystem():
+    """Every container the chart renders (and KubeRay's autoscaler beside the Ray head) has a read-only root
+    filesystem, and every place its process writes is a writable volume: /tmp (torch's inductor cache, Ray's
+    /tmp/ray session), HOME and its ~/.cache (Hugging Face, vLLM, Triton, FlashInfer) and HF_HOME."""
+    for values in VALUE_SETS:
+        for obj in render(values):
+            for pod, containers in _pod_containers(obj):
+                volumes = {v["name"]: v for v in pod.get("volumes", [])}
+                for c in containers:
+                    where = (ids(values), obj["metadata"]["name"], c["name"])
+                    assert c.get("securityContext", {}).get("readOnlyRootFilesystem") is True, where
+                    writable = [m["mountPath"].rstrip("/") for m in c.get("volumeMounts", [])
+                                if not m.get("readOnly") and not {"secret", "configMap"} & set(volumes[m["name"]])]
+                    env = {e["name"]: e.get("value") for e in c.get("env", [])}
+                    assert env.get("HOME"), (where, "HOME left to the image's, on the read-only root")
+                    writes = ["/tmp", env["HOME"], env["HOME"] + "/.cache"] + [env[k] for k in ("HF_HOME", "XDG_CACHE_HOME") if k in env]
+                    if "ray" in c["name"] or "ray start" in " ".join(c.get("args", [])) or c["name"] == "autoscaler":
+                        writes.append("/tmp/ray")
+                    for path in writes:
+                        assert any(path == m or path.startswith(m + "/") for m in writable), (where, path, writable)
+
+
+def _admitted(policy: dict, labels: dict, namespace: str = "llm") -> set[str]:
+    """The ports a NetworkPolicy admits from a pod with `labels` in `namespace` ("*": every port)."""
+    ports = set()
+    for rule in policy["spec"]["ingress"]:
+        peers = rule.get("from")
+        if peers is not None and not any(
+                set(p.get("podSelector", {}).get("matchLabels", {}).items()) <= set(labels.items())
+                and p.get("namespaceSelector", {"matchLabels": {"kubernetes.io/metadata.name": "llm"}})["matchLabels"]
+                .get("kubernetes.io/metadata.name") == namespace for p in peers):
+            continue
+        for p in rule.get("ports") or [{"port": "*"}]:
+            ports.add(f"{p['port']}-{p['endPort']}" if "endPort" in p else str(p["port"]))
+    return ports
+
+
+def test_network_policies_admit_each_peer_on_its_ports_only():
+    """Every ingress rule names its ports. The engines admit the gateway on what it calls (a vLLM server's API port;
+    on KubeRay, the Ray node ports of the cluster it joins, not the dashboard's job API, which runs code, nor Ray
+    Client's port), the trainer on none (the chart runs its jobs in its own pod: no Ray job backend), Prometheus on the
+    metrics port only (a vLLM server's API port answers /invocations and /tokenize without its key) and the KubeRay
+    operator on the dashboard."""
+    prometheus, operator = {"app.kubernetes.io/name": "prometheus"}, {"app.kubernetes.io/name": "kuberay-operator"}
+    for values in VALUE_SETS:
+        objs = render(values)
+        for policy in find(objs, "NetworkPolicy"):
+            for rule in policy["spec"]["ingress"]:
+                assert rule.get("ports"), (ids(values), policy["metadata"]["name"], rule)
+        engines = find(objs, "NetworkPolicy", "engines")
+        if not engines:  # inprocess: no engine pods
+            continue
+        engines = engines[0]
+        labels = {c: find(objs, "Deployment", c)[0]["spec"]["template"]["metadata"]["labels"] for c in ("gateway", "trainer")}
+        assert _admitted(engines, labels["trainer"]) == set(), ids(values)
+        assert _admitted(engines, {"app.kubernetes.io/instance": "swiftkv", "app.kubernetes.io/component": "other"}) == set()
+        if find(objs, "RayService"):
+            ray = find(objs, "RayService")[0]["spec"]["rayClusterConfig"]
+            node_ports = {"6379", "6380", "6381", "6382", "52365", "10002-19999"}
+            assert _admitted(engines, labels["gateway"]) == node_ports, ids(values)
+            ray_labels = ray["headGroupSpec"]["template"]["metadata"]["labels"]
+            assert _admitted(engines, ray_labels) == node_ports
+            assert _admitted(engines, prometheus, "monitoring") == {"8080"}
+            assert _admitted(engines, operator, "ray-system") == {"8265"}
+            # the ports the policies name are the ones Ray listens on: pinned on every node, the gateway's included
+            for params in [ray["headGroupSpec"]["rayStartParams"]] + [g["rayStartParams"] for g in ray["workerGroupSpecs"]]:
+                assert {params["node-manager-port"], params["object-manager-port"], params["dashboard-agent-grpc-port"],
+                        params["dashboard-agent-listen-port"], params["min-worker-port"], params["max-worker-port"]} == \
+                    {"6380", "6381", "6382", "52365", "10002", "19999"}
+            gateway = find(objs, "Deployment", "gateway")[0]["spec"]["template"]["spec"]["containers"][0]["args"][0]
+            assert all(f"--{k}={v}" in gateway for k, v in (("node-manager-port", 6380), ("object-manager-port", 6381),
+                                                             ("min-worker-port", 10002), ("max-worker-port", 19999)))
+            assert _admitted(find(objs, "NetworkPolicy", "gateway")[0], ray_labels) == {"http", "6380", "6381", "6382", "52365", "10002-19999"}
+        else:
+            assert _admitted(engines, labels["gateway"]) == {"http"}, ids(values)
+            assert _admitted(engines, prometheus, "monitoring") == {"metrics"}
+            for server in find(objs, "Deployment", "engine-"):
+                ports = {p["name"]: p["containerPort"] for c in server["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+                assert ports["metrics"] != ports["http"]
+    kv = render(ROOT / "deploy/helm/presets/plain-deployments.yaml", "--set", "platform.routing.kv_events=true")
+    gateway = find(kv, "Deployment", "gateway")[0]["spec"]["template"]["metadata"]["labels"]
+    assert _admitted(find(kv, "NetworkPolicy", "engines")[0], gateway) == {"http", "kv-events"}
+
+
+def test_vllm_servers_take_an_api_key_from_a_secret_the_gateway_reads():
+    """engines.mode deployments: each vLLM server takes its key (VLLM_API_KEY, which `vllm serve` reads as --api-key)
+    from a Secret, the chart's own or engines.apiKey.existingSecret, and the gateway's remote pools send it (api_key_env,
+    from the same Secret: the platform config is a ConfigMap)."""
+    from services.config import PoolConfig
+
+    preset = ROOT / "deploy/helm/presets/plain-deployments.yaml"
+    for extra, secret in (([], {"name": "swiftkv-engine-api-key", "key": "api-key"}),
+                          (["--set", "engines.apiKey.existingSecret=vllm-key", "--set", "engines.apiKey.existingSecretKey=k"],
+                           {"name": "vllm-key", "key": "k"})):
+        objs = render(preset, *extra)
+        ref = {"secretKeyRef": secret}
+        for server in find(objs, "Deployment", "engine-"):
+            env = server["spec"]["template"]["spec"]["containers"][0]["env"]
+            assert {"name": "VLLM_API_KEY", "valueFrom": ref} in env
+        gateway = find(objs, "Deployment", "gateway")[0]["spec"]["template"]["spec"]["containers"][0]
+        assert {"name": "SWIFTKV_ENGINE_API_KEY", "valueFrom": ref} in gateway["env"]
+        pools = yaml.safe_load(find(objs, "ConfigMap", "platform")[0]["data"]["platform.yaml"])["pools"]
+        assert {p["api_key_env"] for p in pools.values()} == {"SWIFTKV_ENGINE_API_KEY"}
+        assert all(PoolConfig.model_validate(p).api_key_env for p in pools.values())
+        secrets = [s for s in find(objs, "Secret") if s["metadata"]["name"] == "swiftkv-engine-api-key"]
+        assert len(secrets) == (0 if extra else 1)
+        if secrets:
+            assert len(secrets[0]["data"]["api-key"]) >= 32  # generated, base64
+    assert not [s for s in find(render(), "Secret") if "engine-api-key" in s["metadata"]["name"]]  # kuberay: none
+
+
 def test_trainer_is_deployed_beside_the_gateway():
     """`swiftkv trainer serve` as one pod (Recreate), its Service scraped by the ServiceMonitor, its runs on a PVC, the
     models PVC mounted where it publishes, and the batch store's database (or SQLite on its PVC)."""

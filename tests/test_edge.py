@@ -279,7 +279,9 @@ def front_gateway(tmp_path, name: str, tiny_base, backend: str, redis_url: str):
     work = tmp_path / name
     work.mkdir()
     (work / "keys").write_text(f"{SHARED_KEY} requests_per_minute=20\n{KEY}\n")
+    # the keys share the prefix cache: per-key caches send vLLM's cache_salt, which a SwiftKV gateway upstream refuses
     config = {"model": "front", "data_dir": str(work / "data"), "redis_url": redis_url, "health": {"period_seconds": 30.0},
+              "routing": {"share_prefix_cache": True},
               "pools": {"base": {"backend": "remote", "url": f"{backend}/v1", "api_key": KEY,
                                  "served_model_name": f"{PUBLIC}-base", "model": str(tiny_base)}}}
     return swiftkv_serve(work, config, "--engine", "inprocess", "--api-keys-file", str(work / "keys")).start().wait(timeout=120)

@@ -16,7 +16,7 @@ import pytest
 from harness import FakeBackend
 from harness.batch import PROMPT_HEAVY, until
 from harness.gateway import InProcessGateway, platform_config
-from sqlalchemy import text, update
+from sqlalchemy import select, text, update
 
 from services.common.files import expiry
 
@@ -146,19 +146,31 @@ async def test_malformed_uploads_and_odd_ids_are_4xx(app):
 # ---- 2. an upload is capped while it streams -----------------------------------------------------------------
 class Body:
     """A multipart body sent chunked (no Content-Length): the form's head, then 64 KiB chunks of file bytes up to
-    `total`, counting what the server pulled."""
+    `total`, then `epilogue` bytes after the closing boundary, counting what the server pulled; `each` runs before
+    every chunk."""
 
-    def __init__(self, total: int):
-        self.boundary, self.total, self.sent, self.done = "c4p", total, 0, False
+    def __init__(self, total: int, epilogue: int = 0, each=None):
+        self.boundary, self.total, self.epilogue, self.each = "c4p", total, epilogue, each
+        self.sent = self.after = 0
+        self.done = False
 
     async def __aiter__(self):
         yield (f'--{self.boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--{self.boundary}\r\n'
                f'Content-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n').encode()
         while self.sent < self.total:
+            if self.each:
+                await self.each()
             self.sent += 65536
             yield b"x" * 65536
         yield f"\r\n--{self.boundary}--\r\n".encode()
+        while self.after < self.epilogue:
+            self.after += 65536
+            yield b"z" * 65536
         self.done = True
+
+    @property
+    def headers(self) -> dict:
+        return {"Content-Type": f"multipart/form-data; boundary={self.boundary}"}
 
 
 async def test_a_chunked_upload_stops_at_the_cap_and_keeps_nothing(app):
@@ -289,3 +301,177 @@ def test_records_refuse_past_the_quota_in_the_insert_and_sweep_abandoned_parts(b
     finally:
         records.remove(owner, "file-1")
         store.close()
+
+
+# ---- 4. uploads of one key at once, slow bodies, bytes after the body ----------------------------------------
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_concurrent_adds_of_one_key_never_pass_the_quota_together(backend, tmp_path, pg_url):
+    """PostgreSQL's READ COMMITTED lets each of two transactions sum the key's bytes without the other's new row:
+    the quota check and the insert hold a per-key lock. The window is widened to make the race certain."""
+    import threading
+
+    from sqlalchemy import event
+
+    from services.batch.store import BatchStore
+    from services.common.files import FileRecords, FileStore, QuotaExceeded
+
+    store = BatchStore(f"sqlite:///{tmp_path / 'b.db'}" if backend == "sqlite" else pg_url)
+    records = FileRecords(store, FileStore(tmp_path / "files"), {})
+    owner, n = f"k-{secrets.token_hex(4)}", 8
+
+    def slow_insert(conn, cursor, statement, *_):
+        if statement.startswith("INSERT INTO swiftkv_files "):
+            time.sleep(0.2)
+
+    event.listen(store.engine, "after_cursor_execute", slow_insert)
+    added, refused, go = [], [], threading.Barrier(n)
+
+    def add(i: int) -> None:
+        go.wait()
+        try:
+            records.add({"id": f"file-c{i}", "owner": owner, "purpose": "batch", "filename": "f", "bytes": 600,
+                         "created_at": int(time.time())}, None, 1000)
+            added.append(i)
+        except QuotaExceeded:
+            refused.append(i)
+
+    try:
+        threads = [threading.Thread(target=add, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(added) == 1 and len(refused) == n - 1, (added, refused)
+        assert records.used(owner) == 600
+    finally:
+        event.remove(store.engine, "after_cursor_execute", slow_insert)
+        for i in added:
+            records.remove(owner, f"file-c{i}")
+        store.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_streaming_upload_holds_its_bytes_against_the_quota(backend, tmp_path, pg_url):
+    """The hold is a row in the database, so uploads in every process of the gateway share the key's room; a hold
+    its process stopped refreshing no longer counts and is swept."""
+    from services.batch.store import BatchStore
+    from services.common.files import RESERVATION_SECONDS, FileRecords, FileStore, QuotaExceeded, reservations
+
+    store = BatchStore(f"sqlite:///{tmp_path / 'b.db'}" if backend == "sqlite" else pg_url)
+    other = BatchStore(f"sqlite:///{tmp_path / 'b.db'}" if backend == "sqlite" else pg_url)  # another process's
+    records, elsewhere = (FileRecords(s, FileStore(tmp_path / "files"), {}) for s in (store, other))
+    owner = f"k-{secrets.token_hex(4)}"
+    record = {"id": "file-h2", "owner": owner, "purpose": "batch", "filename": "f", "bytes": 500, "created_at": int(time.time())}
+    try:
+        assert records.reserve("file-h1", owner, 600, 1000) == 0
+        assert records.reserve("file-h1", owner, 700, 1000) == 0  # grown, not added to
+        with pytest.raises(QuotaExceeded) as e:
+            elsewhere.reserve("file-h2", owner, 400, 1000)
+        assert e.value.used == 700 and records.used(owner) == 700  # the refused hold is not kept
+        assert elsewhere.reserve("file-h2", owner, 300, 1000) == 700
+        with pytest.raises(QuotaExceeded):  # adding a file counts the key's other uploads too
+            elsewhere.add(record, None, 1000)
+        records.release("file-h1")
+        elsewhere.add(record, None, 1000)  # ends its own hold
+        assert records.used(owner) == 500
+        records.reserve("file-h3", owner, 500, 1000)
+        with store.engine.begin() as conn:  # the upload's process died long ago
+            conn.execute(update(reservations).where(reservations.c.file_id == "file-h3")
+                         .values(updated_at=int(time.time()) - RESERVATION_SECONDS - 1))
+        assert records.used(owner) == 500
+        records.sweep()
+        with store.engine.connect() as conn:
+            assert not conn.execute(select(reservations).where(reservations.c.owner == owner)).all()
+    finally:
+        records.remove(owner, "file-h2")
+        store.close()
+        other.close()
+
+
+async def test_concurrent_uploads_of_one_key_never_hold_more_than_the_quota(tiny_base, tmp_path):
+    """On the default SQLite store: uploads of one key streaming at once hold what they write against the quota, so
+    the file volume never holds more than the quota for the key, even for a moment; each refused upload stops."""
+    from services.common.files import reservations
+
+    size, quota, n = 3 << 20, 4 << 20, 6
+    gw = build(tiny_base, tmp_path, None, max_file_bytes=size, max_storage_bytes_per_key=quota)
+    service, app, volume = gw.service, gw.app, tmp_path / "files"
+    peak = 0
+
+    def size_of(path: Path) -> int:
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:  # a refused upload's part, removed meanwhile
+            return 0
+
+    async def measure():
+        nonlocal peak
+        await asyncio.sleep(0)  # let the uploads interleave
+        peak = max(peak, sum(map(size_of, volume.iterdir())))
+
+    try:
+        async with client(app) as c:
+            bodies = [Body(total=size - 65536, each=measure) for _ in range(n)]
+            answers = await asyncio.gather(*(c.post("/v1/files", content=b, headers=b.headers) for b in bodies))
+            ok = [r for r in answers if r.status_code == 200]
+            assert len(ok) <= 1 and all(r.json()["error"]["code"] == "storage_quota_exceeded" for r in answers if r not in ok)
+            assert peak <= quota, f"{peak} bytes in the volume at once; the quota is {quota}"
+            assert not all(b.done for b in bodies)  # refused uploads stopped reading
+            with service.store.engine.connect() as conn:  # no hold left behind, no part file, only the accepted file
+                assert not conn.execute(select(reservations)).all()
+            assert sorted(p.name for p in volume.iterdir()) == sorted(r.json()["id"] for r in ok)
+            for r in ok:
+                assert (await c.delete(f"/v1/files/{r.json()['id']}")).status_code == 200
+            # with Content-Length (as the SDK sends), the first upload holds what it declared: the others stop at once
+            answers = await asyncio.gather(*(upload(c, b"y" * (size - 65536)) for _ in range(n)))
+            assert sorted(r.status_code for r in answers) == [200] + [413] * (n - 1)
+    finally:
+        service.io.close()
+        service.store.close()
+
+
+async def test_bytes_after_the_closing_boundary_are_not_read_on(app):
+    """The epilogue after the closing boundary is ignored (RFC 2046, as python-multipart, Django and Werkzeug do),
+    but only a little of it is read: more is a 400 that closes the connection instead of a body read forever."""
+    async with client(app) as c:
+        body = Body(total=65536, epilogue=20 << 20)
+        r = await c.post("/v1/files", content=body, headers=body.headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "file" and "closing boundary" in r.json()["error"]["message"]
+        assert r.headers["connection"] == "close" and body.after <= 2 * 65536
+        head, _ = b"".join([x async for x in Body(total=0)]).split(b"\r\n--c4p--")  # a trailing CRLF is what clients send
+        r = await c.post("/v1/files", content=head + b"data\r\n--c4p--\r\n", headers=body.headers)
+        assert r.status_code == 200 and r.json()["bytes"] == 4, r.text
+
+
+async def test_an_upload_slower_than_its_deadline_is_a_408(tmp_path):
+    """The whole body within body_timeout, plus a second per MIN_UPLOAD_RATE bytes received: a large file may take
+    its time, a client dribbling bytes may not hold the connection."""
+    from starlette.requests import Request
+
+    from services.common.errors import APIError
+    from services.common.files import FileStore, open_store
+    from services.common.uploads import MIN_UPLOAD_RATE, receive_upload
+
+    _, rows = open_store(f"sqlite:///{tmp_path / 'f.db'}")
+    store = FileStore(tmp_path / "files")
+
+    async def call(fn, *args):
+        return fn(*args)
+
+    def request(chunks: list[bytes], pause: float) -> Request:
+        async def receive():
+            await asyncio.sleep(pause)
+            return {"type": "http.request", "body": chunks.pop(0), "more_body": bool(chunks)}
+        return Request({"type": "http", "method": "POST", "headers": [(b"content-type", b"multipart/form-data; boundary=c4p")]},
+                       receive)
+
+    head, _ = b"".join([x async for x in Body(total=0)]).split(b"\r\n--c4p--")
+    dribble = [head] + [b"x"] * 1000 + [b"\r\n--c4p--\r\n"]
+    started = time.monotonic()
+    with pytest.raises(APIError) as e:
+        await receive_upload(request(dribble, 0.05), KEY_A, ("batch",), CAP, store, rows, call, call, body_timeout=0.5)
+    assert e.value.status == 408 and e.value.headers["Connection"] == "close" and time.monotonic() - started < 2
+    # slower than body_timeout in all, but faster than MIN_UPLOAD_RATE: accepted
+    steady = [head] + [b"x" * (MIN_UPLOAD_RATE // 4)] * 4 + [b"\r\n--c4p--\r\n"]
+    f = await receive_upload(request(steady, 0.15), KEY_A, ("batch",), CAP, store, rows, call, call, body_timeout=0.5)
+    assert f["bytes"] == MIN_UPLOAD_RATE and not [p for p in (tmp_path / "files").iterdir() if p.name.startswith(".")]

@@ -11,14 +11,17 @@ import json
 import secrets
 import socket
 import time
+from threading import current_thread
 from types import SimpleNamespace as NS
 
 import httpx
 import pytest
 from harness import FakeBackend
 
+from services.common.errors import APIError
 from services.common.keys import KeyStore, digest
 from services.config import PlatformConfig
+from services.gateway import admission
 from services.gateway.app import Gateway, create_app
 from services.gateway.prompts import Prompter
 from services.gateway.rate_limits import RedisRateLimiter
@@ -109,6 +112,85 @@ async def test_the_key_is_charged_before_the_prompt_is_templated(tiny_base):
     assert len(calls) == 1  # the refused request was never templated
 
 
+# 1,330 messages of 26 small text parts: 970 kB, an object to validate per part (~140 ms of CPU on the loop before)
+PARTS = json.dumps({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "h"}] * 26}] * 1330},
+                   separators=(",", ":"))
+
+
+def decoding_threads(monkeypatch) -> list[str]:
+    """The thread each JSON decoding and each schema validation of a body ran on, in order."""
+    threads: list[str] = []
+    loads, parse = json.loads, admission.parse
+    monkeypatch.setattr(admission, "json", NS(loads=lambda *a: threads.append(current_thread().name) or loads(*a),
+                                              detect_encoding=json.detect_encoding))
+    monkeypatch.setattr(admission, "parse", lambda *a: threads.append(current_thread().name) or parse(*a))
+    return threads
+
+
+async def test_an_over_limit_key_is_refused_before_its_body_is_decoded(tiny_base, monkeypatch):
+    """The request and its bytes are charged as soon as the body is read, so a key past its limits gets its 429 at
+    no decoding or validation cost; its output is reserved once the body is parsed, without counting the request
+    twice (one request a minute is served). Before, a body was decoded and validated, on the loop, before the charge."""
+    gw, _ = gateway(tiny_base, requests_per_minute=1, output_tokens_per_minute=1000)
+    decoded = decoding_threads(monkeypatch)
+    async with client(gw) as c:
+        assert (await c.post("/v1/chat/completions", json={"model": "m", "messages": HI, "max_tokens": 2})).status_code == 200
+        before = len(decoded)
+        e = error(await c.post("/v1/chat/completions", content=PARTS), 429)
+    assert e["code"] == "rate_limit_exceeded" and "requests" in e["message"]
+    assert before == 2 and len(decoded) == before  # decoded and validated once: the refused body never
+
+
+async def test_a_refused_body_stays_charged(tiny_base):
+    """The charge, taken before the body is decoded, stays when the body is refused: a key pays for the bodies it
+    makes the gateway decode, valid or not. Before, a malformed or invalid body cost its key nothing."""
+    gw, _ = gateway(tiny_base, requests_per_minute=2)
+    async with client(gw) as c:
+        assert error(await c.post("/v1/chat/completions", content=b'{"model": "m", "messages": [}'))["code"] == "invalid_json"
+        assert error(await c.post("/v1/chat/completions", json={"model": "m", "messages": HI, "bogus": 1}))["param"] == "bogus"
+        e = error(await c.post("/v1/chat/completions", json={"model": "m", "messages": HI, "max_tokens": 2}), 429)
+    assert e["code"] == "rate_limit_exceeded"
+
+
+async def test_a_large_body_is_decoded_and_validated_off_the_event_loop(tiny_base, monkeypatch):
+    """A body above 16 kB is decoded and validated on the CPU pool; a small one stays on the loop (cheaper than the
+    hop). Before, every body was decoded and validated on the event loop, stalling every stream of the process."""
+    gw, backend = gateway(tiny_base)
+    threads = decoding_threads(monkeypatch)
+    async with client(gw) as c:
+        assert (await c.post("/v1/chat/completions", json={"model": "m", "messages": HI, "max_tokens": 2})).status_code == 200
+        small = threads[:]
+        messages = [{"role": "user", "content": [{"type": "text", "text": "hello world " * 100}] * 200}]  # 250 kB
+        assert (await c.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2})).status_code == 200
+    assert small == [current_thread().name] * 2
+    assert len(threads) == 4 and all(t.startswith("swiftkv-cpu") for t in threads[2:]), threads
+    assert len(backend.requests) == 2
+
+
+async def test_content_parts_past_the_bound_are_a_400_before_validation(tiny_base, monkeypatch):
+    """limits.max_content_parts bounds the content parts and tool calls of a chat request's messages together, so
+    what one body costs to validate is bounded whatever its bytes (validation holds the GIL wherever it runs): past
+    it, a 400 naming `messages` and the setting, before the schema is validated. Before, there was no such bound."""
+    gw, backend = gateway(tiny_base, max_content_parts=50)
+    threads = decoding_threads(monkeypatch)
+    part = {"type": "text", "text": "a"}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    async with client(gw) as c:
+        for messages, have in (([{"role": "user", "content": [part] * 26}] * 2, 52),
+                               ([{"role": "user", "content": [part] * 40}, {"role": "assistant", "tool_calls": [call] * 11}], 51)):
+            e = error(await c.post("/v1/chat/completions", json={"model": "m", "messages": messages}))
+            assert e["param"] == "messages" and e["code"] == "array_above_max_length", e
+            assert f"{have} content parts and tool calls" in e["message"] and "limits.max_content_parts" in e["message"]
+        assert len(threads) == 2  # each decoded (json.loads), neither validated (parse)
+        messages = [{"role": "user", "content": [part] * 25}] * 2  # at the bound
+        assert (await c.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2})).status_code == 200
+        default, _ = gateway(tiny_base)  # the default bound (4096) refuses the 970 kB body of 34,580 parts
+        async with client(default) as d:
+            e = error(await d.post("/v1/chat/completions", content=PARTS))
+        assert e["param"] == "messages" and "34580 content parts" in e["message"]
+    assert len(backend.requests) == 1
+
+
 async def test_prompt_tokens_are_charged_by_bytes_then_settled_to_the_count(tiny_base):
     gw, backend = gateway(tiny_base, prompt_tokens_per_minute=100_000)
     body = {"model": "m", "prompt": "hello world " * 2000, "max_tokens": 2}  # 24 KB, fewer tokens
@@ -154,6 +236,36 @@ async def test_redis_limits_are_shared_by_gateways_and_awaited(tiny_base):
     # 3 requests reserved 4 tokens each and generated 2: settled, 6 were taken (plus 1 a second back by the refill);
     # unsettled, the bucket would hold 48 plus the refill
     assert level >= 53.5
+
+
+async def test_a_debt_in_redis_is_kept_until_it_is_repaid():
+    """A key 118,000 output tokens over its 10,000 a minute is told to come back in 709 s: its buckets outlive that
+    (and the refill to full after it), so the debt is still there when it does. Before, every bucket expired 120 s
+    after its last use, and the key came back to a full bucket after 2 minutes."""
+    import redis
+
+    limiter = RedisRateLimiter(REDIS, None, None, 10_000)
+    key = f"debtor-{secrets.token_hex(4)}"
+    await limiter.acquire(key, 1, 10_000)
+    await limiter.settle(key, 10_000, 128_000)  # ran 118,000 tokens past a reservation of the whole bucket
+    with pytest.raises(APIError) as e:
+        await limiter.acquire(key, 1, 1)
+    assert 700 <= int(e.value.headers["Retry-After"]) <= 710
+    ttl = redis.Redis.from_url(REDIS).ttl(f"{RedisRateLimiter.PREFIX}{key}:output_tokens")
+    assert ttl > (118_000 + 10_000) * 60 / 10_000, ttl  # past the refill to full: 768 s
+    await limiter.acquire("fresh-" + key, 1, 1)
+    assert redis.Redis.from_url(REDIS).ttl(f"{RedisRateLimiter.PREFIX}fresh-{key}:output_tokens") >= 120  # never less than before
+
+
+async def test_redis_reserves_the_output_of_a_request_already_counted():
+    """As in-process: requests=0 takes the output reservation of a request counted when its body was read."""
+    limiter = RedisRateLimiter(REDIS, 1, None, 100)
+    key = f"counted-{secrets.token_hex(4)}"
+    await limiter.acquire(key, 500, 0)
+    await limiter.acquire(key, 0, 80, requests=0)  # one request a minute: not counted again
+    with pytest.raises(APIError) as e:
+        await limiter.acquire(key, 0, 80, requests=0)
+    assert "output tokens" in e.value.message and limiter.down_since is None
 
 
 async def test_a_silent_redis_holds_no_other_request(tiny_base):

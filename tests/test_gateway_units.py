@@ -15,6 +15,8 @@ from services.gateway.rate_limits import RateLimiter
 from services.gateway.routing import NoPoolAvailable, PoolState, RoutePolicy
 from services.serving.backend import BackendDown, BackendError
 
+HI = [{"role": "user", "content": "hi"}]
+
 
 def pools(swiftkv_ready=True, base_ready=True):
     return {
@@ -29,7 +31,7 @@ def test_ratio_picks_the_pool():
     assert policy.decide(400, 100, pools()).pool == "swiftkv"  # exactly the threshold
     d = policy.decide(20, 200, pools())
     assert (d.pool, d.reason) == ("base", "ratio")
-    assert "pool=base; reason=ratio" in d.header()
+    assert "pool=base; reason=ratio" in d.header(expose_reason=True)
 
 
 def test_balance_overrides_the_ratio_when_the_other_pool_has_much_less_work():
@@ -101,10 +103,10 @@ def test_dual_mode_pools_keep_the_intended_model_where_the_request_moves():
 
     d = policy.decide(400, 10, dual(True, True, swiftkv=5000))  # prompt-heavy at capacity: SwiftKV on the base pool
     assert (d.pool, d.reason, d.mode) == ("base", "backlog", "swiftkv")
-    assert d.header() == "pool=base; reason=backlog; ratio=40.00; mode=swiftkv"
+    assert d.header(expose_reason=True) == "pool=base; reason=backlog; ratio=40.00; mode=swiftkv"
     d = policy.decide(400, 10, dual(False, False, swiftkv=5000))  # two models: the base pool's own, as before
     assert (d.pool, d.reason, d.mode) == ("base", "backlog", "base")
-    assert d.header() == "pool=base; reason=backlog; ratio=40.00"
+    assert d.header(expose_reason=True) == "pool=base; reason=backlog; ratio=40.00"
     d = policy.decide(20, 200, dual(True, False, base=5000))  # decode-heavy moved to a dual-mode SwiftKV pool
     assert (d.pool, d.reason, d.mode) == ("swiftkv", "backlog", "base") and d.header().endswith("; mode=base")
     assert policy.decide(400, 10, dual(True, False, swiftkv=5000)).mode == "base"  # the base pool is not dual-mode
@@ -215,8 +217,8 @@ def test_a_dual_mode_pool_starts_dual_mode_engines_and_is_refused_where_it_canno
     assert engine_args_with_kv_events("swiftkv", cfg.pools["swiftkv"], cfg)["hf_overrides"] == {"swiftkv_dual_mode": True}
     assert "hf_overrides" not in engine_args_with_kv_events("base", cfg.pools["base"], cfg)
 
-    with pytest.raises(ValueError, match=r"pools\.swiftkv\.dual_mode with routing\.kv_events: the gateway's block hashes do "
-                                         r"not include vLLM's cache salt"):
+    with pytest.raises(ValueError, match=r"pools\.swiftkv\.dual_mode with routing\.kv_events: the gateway's block hashes "
+                                         r"include an API key's cache salt but not the base mode's"):
         PlatformConfig(model="m", pools={"swiftkv": {"model": "m", "dual_mode": True}}, routing={"kv_events": True})
     assert not PlatformConfig(model="m", pools={"swiftkv": {"model": "m"}}, routing={"kv_events": True}).pools["swiftkv"].dual_mode
 
@@ -311,6 +313,39 @@ def test_output_tokens_are_reserved_then_settled():
     asyncio.run(run())
 
 
+def test_a_request_charged_before_its_body_was_parsed_reserves_only_its_output():
+    """The gateway charges the request and its bytes before it decodes the body, then reserves the output once
+    parsed (requests=0): the request is counted once, and the reservation is checked against the output limit."""
+    limiter = RateLimiter(1, None, 100)
+
+    async def run():
+        await limiter.acquire("k", 500, 0)  # the request and its bytes
+        await limiter.acquire("k", 0, 80, requests=0)  # its output, not a second request (1 a minute)
+        with pytest.raises(APIError) as e:
+            await limiter.acquire("k", 0, 80, requests=0)
+        assert "output tokens" in e.value.message
+        with pytest.raises(APIError) as e:
+            await limiter.acquire("k", 1, 0)
+        assert "requests" in e.value.message
+
+    asyncio.run(run())
+
+
+def test_an_overage_settled_without_a_local_bucket_is_kept():
+    """An overage settled here for a key with no bucket here yet (its request was admitted through Redis, which went
+    away before the answer ended) makes one and is charged to it: the key waits as it would have in Redis. Before,
+    the overage was dropped."""
+    limiter = RateLimiter(None, None, 100)
+
+    async def run():
+        await limiter.settle("k", reserved=10, actual=250)
+        with pytest.raises(APIError) as e:
+            await limiter.acquire("k", 1, 1)
+        assert int(e.value.headers["Retry-After"]) >= 80
+
+    asyncio.run(run())
+
+
 def test_per_key_limits_and_hashed_keys(tmp_path):
     f = tmp_path / "keys"
     f.write_text(f"# tenants\nalpha\nsha256:{digest('beta')} requests_per_minute=1\n")
@@ -337,6 +372,11 @@ def test_per_key_limits_and_hashed_keys(tmp_path):
         load_keys("k rpm=1", None)
     with pytest.raises(ValueError, match="bad key option"):  # a digit that int() refuses
         load_keys("k requests_per_minute=\u00b2", None)
+    assert KeyStore(load_keys("k min_priority=-10", None)).min_priority(digest("k")) == -10
+    assert store.min_priority(digest("alpha")) == 0
+    for bad in ("k min_priority=1", "k min_priority=-", "k min_priority=--1", f"k min_priority=-{2**31 + 1}"):
+        with pytest.raises(ValueError, match="bad key option"):
+            load_keys(bad, None)
 
 
 def test_default_config_serves_smollm2_on_localhost():
@@ -467,6 +507,79 @@ def test_a_retry_routes_on_the_expected_output_of_the_first_choice(tiny_base):
     assert retry == first
 
 
+def test_a_keys_answers_move_only_its_own_output_estimate(tiny_base):
+    """Key A's one-token answers (no max_tokens) bring what A expects of the public model down to a token; key B's
+    reservation and expected output (what routing weighs), and A's on a pool's own name, stay at
+    routing.default_output_estimate. Before, one estimate served the whole gateway: A set every key's."""
+    from harness.gateway import InProcessGateway, platform_config
+
+    cfg = platform_config(tiny_base, max_model_len=8192)
+    served = InProcessGateway(cfg, keys=("sk-a", "sk-b output_tokens_per_minute=100000"), batch=False)  # 1-token answers
+    admission, default = served.gateway.admission, cfg.routing.default_output_estimate
+
+    async def run():
+        async with served.client("sk-a") as a:
+            for _ in range(25):
+                assert (await a.post("/v1/chat/completions", json={"model": "m", "messages": HI})).status_code == 200
+        own, other, pool = [await admission.admit({"model": model, "messages": HI}, "chat", digest(key))
+                            for model, key in (("m", "sk-a"), ("m", "sk-b"), ("m-base", "sk-a"))]
+        return own, other, pool
+
+    own, other, pool = asyncio.run(run())
+    assert own.expected_output <= 2
+    assert other.expected_output == other.reserved == default
+    assert pool.expected_output == default
+
+
+def test_output_estimates_are_bounded_and_clamped():
+    """At most `size` (key, model) estimates are kept, the least recently used forgotten (back to the default); an
+    answer counts for no more than its request could have generated, and for at least one token."""
+    from services.gateway.admission import OutputEstimates
+
+    estimates = OutputEstimates(256, size=3)
+    for i in range(10):
+        estimates.update(f"key{i}", "m", 8, max_output=100)
+    assert len(estimates) == 3
+    assert estimates.get("key0", "m") == 256 and estimates.get("key9", "m") < 256
+    for _ in range(50):
+        estimates.update("big", "m", 10**9, max_output=100)
+        estimates.update("none", "m", 0, max_output=100)
+    assert estimates.get("big", "m") == pytest.approx(100, abs=0.1) and estimates.get("none", "m") == pytest.approx(1, abs=0.1)
+
+
+def test_a_request_may_lower_its_priority_never_raise_it(tiny_base):
+    """priority below 0 (ahead of live traffic) is a 400 naming the field, unless the key's min_priority (keys file)
+    allows it; a larger number (later) is anyone's. A batch line runs at the batch priority or its own, whichever is
+    later."""
+    from harness.gateway import InProcessGateway, platform_config
+
+    served = InProcessGateway(platform_config(tiny_base), keys=("sk-plain", "sk-trusted min_priority=-10"), batch=False)
+    backend = served.backends["base"]
+    body = {"model": "m-base", "prompt": "hi", "max_tokens": 1}
+
+    async def run():
+        async with served.client("sk-plain") as plain, served.client("sk-trusted") as trusted:
+            r = await plain.post("/v1/completions", json=body | {"priority": -1})
+            assert r.status_code == 400, r.text
+            e = r.json()["error"]
+            assert e["param"] == "priority" and e["type"] == "invalid_request_error"
+            assert "0" in e["message"] and "2147483647" in e["message"]
+            r = await plain.post("/v1/completions", json=body | {"priority": -(2**31)})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+            assert (await plain.post("/v1/completions", json=body | {"priority": 5})).status_code == 200
+            assert (await trusted.post("/v1/completions", json=body | {"priority": -1})).status_code == 200
+            r = await trusted.post("/v1/completions", json=body | {"priority": -11})
+            assert r.status_code == 400 and "-10" in r.json()["error"]["message"]
+        gw = served.gateway
+        lines = [await gw.run_request(body | extra, "completion", digest("sk-plain"), priority=10)
+                 for extra in ({}, {"priority": 20}, {"priority": -1})]
+        return lines
+
+    lines = asyncio.run(run())
+    assert [r.priority for r in backend.requests] == [5, -1, 10, 20]
+    assert [status for status, _ in lines] == [200, 200, 400]
+
+
 def test_requests_convert_themselves_to_sampling_options():
     """Fields of SamplingOptions' names are the request's own; the others are converted or the gateway's to decide."""
     from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
@@ -539,6 +652,25 @@ def test_a_base_mode_request_asks_the_in_process_engine_for_the_base_model():
         assert prompt == {"prompt_token_ids": [5, 6, 7]} and params.extra_args is None, mode
     with pytest.raises(ValueError, match="unknown SwiftKV engine mode"):
         inputs("fast")
+
+
+def test_a_keys_request_carries_its_cache_salt_joined_to_the_modes():
+    """A key whose prefix cache is its own: the engine's prompt (in-process, Ray) and a remote server's body carry
+    vLLM's cache_salt, the key's salt alone or after the base mode's (`<mode salt>:<key salt>`, one salt per request)."""
+    pytest.importorskip("vllm")
+    from services.serving.backend import GenerateRequest, SamplingOptions
+    from services.serving.engine import engine_inputs
+    from services.serving.remote import mode_fields
+    from swiftkv_core.dual_mode import cache_salt
+
+    def prompt(mode):
+        return engine_inputs(GenerateRequest("r", [5, 6], SamplingOptions(max_tokens=1), mode=mode, key_salt="k1"))[0]
+
+    assert prompt("base") == {"prompt_token_ids": [5, 6], "cache_salt": "swiftkv-base-mode:k1"}
+    assert prompt(None) == prompt("swiftkv") == {"prompt_token_ids": [5, 6], "cache_salt": "k1"}
+    assert mode_fields(None, "k1") == {"cache_salt": "k1"}
+    assert mode_fields("base", "k1") == {"vllm_xargs": {"swiftkv_mode": "base"}, "cache_salt": "swiftkv-base-mode:k1"}
+    assert (cache_salt(None), cache_salt("base"), mode_fields(None)) == (None, "swiftkv-base-mode", {})
 
 
 @pytest.mark.parametrize("choice,parallel", [("required", None), ("required", False), ({"type": "function", "function": {"name": "g"}}, None)])

@@ -23,7 +23,8 @@ def test_one_pool_down_the_gateway_stays_live_and_ready(tiny_base):
     from services.gateway.prompts import Prompter
 
     pool_cfg = {"model": str(tiny_base), "engine_args": {"max_model_len": 64}}
-    cfg = PlatformConfig(model="m", pools={"swiftkv": pool_cfg, "base": pool_cfg}, health={"period_seconds": 3600})
+    cfg = PlatformConfig(model="m", pools={"swiftkv": pool_cfg, "base": pool_cfg}, health={"period_seconds": 3600},
+                         routing={"expose_reason": True})  # the route's reason in the header, read below
     backends = {"swiftkv": FakeBackend("swiftkv", up=False), "base": FakeBackend("base")}
     gateway = Gateway(cfg, backends, Prompter(str(tiny_base)), KeyStore({digest(KEY): {}}))
     auth = {"Authorization": f"Bearer {KEY}"}

@@ -14,6 +14,7 @@ from harness import FakeBackend, metric
 from harness.gateway import InProcessGateway, platform_config
 from harness.metrics import parse
 
+from services.common.keys import digest
 from services.common.prefix_index import PrefixIndex, block_hashes
 from services.config import RoutingConfig
 from services.gateway.routing import PoolState, RoutePolicy, cache_key
@@ -183,7 +184,7 @@ def test_a_second_turn_stays_where_its_history_is_cached():
     turn2 = history + tokens(100, 2)
     d = policy.decide(2100, 1000, p, blocks=policy.blocks(turn2))
     assert (d.pool, d.reason) == ("swiftkv", "prefix")
-    assert "reason=prefix" in d.header()
+    assert "reason=prefix" in d.header(expose_reason=True)
     assert RoutePolicy(RoutingConfig()).decide(2100, 1000, p).pool == "base"  # the ratio alone: base
     # and the other way: a history on base keeps a prompt-heavy next turn there
     policy.index.forget("swiftkv")
@@ -273,7 +274,7 @@ def test_dual_mode_pools_keep_each_models_cached_blocks_apart():
     turn = answered + tokens(100, 14)
     d = policy.decide(len(turn), 10, p, blocks=policy.blocks(turn))
     assert (d.pool, d.reason, d.mode) == ("base", "prefix", "base")
-    assert d.header().endswith("reason=prefix; ratio=160.00")  # the pool's own model: no mode in the header
+    assert d.header(expose_reason=True).endswith("reason=prefix; ratio=160.00")  # the pool's own model: no mode in the header
 
     policy.adopt_engine_cache("base", BS, BS * 10)
     policy.index.record(cache_key("base", "swiftkv"), blocks)
@@ -623,6 +624,18 @@ def test_a_vllm_engine_publishes_the_blocks_the_gateway_hashes(tiny_base, tmp_pa
         time.sleep(0.2)  # the step's batch and any after it
         assert index.cached_tokens("e", index.hashes(ids)) == 3 * BLOCK
         assert index.cached_tokens("e", index.hashes(prompt(3 * BLOCK, seed=2))) == 0
+        # a key's salted prompt (per-key prefix caches): its events name the blocks the index salts alike
+        from vllm import SamplingParams
+
+        salted = prompt(3 * BLOCK + 5, seed=3)
+        n = feed.batches
+        llm.generate([{"prompt_token_ids": salted, "cache_salt": "0123456789abcdef"}], SamplingParams(max_tokens=1), use_tqdm=False)
+        while feed.batches == n:
+            assert time.time() < deadline, "no events for the salted prompt"
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert index.cached_tokens("e", index.hashes(salted, salt="0123456789abcdef")) == 3 * BLOCK
+        assert index.cached_tokens("e", index.hashes(salted)) == 0
     finally:
         offline_engines.close()
         feed.stop()
@@ -659,3 +672,128 @@ def test_where_each_pool_publishes_its_kv_cache_events(tiny_base):
         PoolConfig(model="m", kv_events_endpoint="tcp://a:5557")
     with pytest.raises(ValueError, match="not a ZMQ endpoint: tcp://host:port"):
         PoolConfig(model="m", backend="remote", url="http://a:8000", kv_events_endpoint="a:5557")
+
+
+# ---- tenancy: each key's prefix cache is its own ------------------------------------------------------------------
+def test_salted_block_hashes_are_the_ones_vllm_computes():
+    """A request's cache_salt (an API key's, where keys' caches are apart) is hashed into its first block as vLLM
+    hashes it, so the engines' KV-cache events still land on the index's keys; two salts, or none, never meet."""
+    pytest.importorskip("vllm")
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kv
+    from vllm.v1.request import Request
+
+    saved = {name: getattr(kv, name) for name in ("NONE_HASH", "_NONE_HASH_SEED") if hasattr(kv, name)}
+    sha256 = get_hash_fn_by_name("sha256")
+    try:
+        kv.init_none_hash(sha256)
+        index = PrefixIndex(capacity_blocks=64, block_size=BS)
+        ids = tokens(3 * BS + 5, seed=7)
+        for salt in ("0123456789abcdef", "swiftkv-base-mode:0123456789abcdef"):
+            request = Request("r", ids, SamplingParams(max_tokens=1), None, cache_salt=salt,
+                              block_hasher=kv.get_request_block_hasher(BS, sha256))
+            assert index.hashes(ids, salt=salt) == list(request.block_hashes)
+        salted = index.hashes(ids, salt="a")
+        assert not set(salted) & set(index.hashes(ids)) and not set(salted) & set(index.hashes(ids, salt="b"))
+        # a chain continued after a parent (an answer's blocks) is not salted again: vLLM salts the first block only
+        assert index.hashes(ids[BS:], parent=salted[0], salt="a") == salted[1:]
+    finally:
+        for name, value in saved.items():
+            setattr(kv, name, value)
+
+
+KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
+
+
+def two_keys_send_one_document(tiny_base, caplog, **routing) -> tuple[InProcessGateway, list[str], float]:
+    """Key A sends a long document (prompt-heavy: the swiftkv pool), then key B the same document with a decode-heavy
+    question (the ratio says base). (the gateway, B's x-swiftkv-route header, B's requests routed by `prefix`)."""
+    import logging
+
+    cfg = platform_config(tiny_base, max_model_len=2048,
+                          routing={"prefix_min_distinct_tokens": 32, "prefix_block_size": BS, "expose_reason": False} | routing)
+    served = InProcessGateway(cfg, keys=(KEY_A, KEY_B), batch=False)
+    document = "The quarterly report says revenue grew in every region. " * 20
+    routes = []
+
+    async def run():
+        async with served.client(KEY_A) as a, served.client(KEY_B) as b:
+            r = await a.post("/v1/completions", json={"model": "m", "prompt": document, "max_tokens": 5})
+            assert r.status_code == 200, r.text
+            before = parse((await a.get("/metrics")).text)
+            r = await b.post("/v1/completions", json={"model": "m", "prompt": document + " Summarize it.", "max_tokens": 400})
+            assert r.status_code == 200, r.text
+            routes.append(r.headers["x-swiftkv-route"])
+            after = parse((await a.get("/metrics")).text)
+            return sum(metric(after, "swiftkv_route_decisions_total", pool=p, reason="prefix", source="live") -
+                       metric(before, "swiftkv_route_decisions_total", pool=p, reason="prefix", source="live") for p in ("swiftkv", "base"))
+
+    with caplog.at_level(logging.DEBUG, logger="swiftkv.gateway"):
+        by_prefix = asyncio.run(run())
+    return served, routes, by_prefix
+
+
+def test_another_keys_request_is_not_routed_to_a_keys_cached_document(tiny_base, caplog):
+    """Two keys, the same long prompt: B's request is not routed by prefix to where A's is cached (its reason, in
+    the metrics and the log, is the ratio's) and the engines get a different salt per key (a digest, not the key), so
+    the engine's cache keeps them apart too; A's own next turn still follows its cache. The header names the pool only."""
+    served, routes, by_prefix = two_keys_send_one_document(tiny_base, caplog)
+    backends = served.backends
+    assert by_prefix == 0 and routes == ["pool=base"]
+    assert any("reason=ratio" in m and "pool=base" in m for m in caplog.messages if "routed:" in m)
+    (a,), (b,) = backends["swiftkv"].requests, backends["base"].requests
+    assert a.key_salt and b.key_salt and a.key_salt != b.key_salt
+    assert not any(k in s or digest(k) in s for k in (KEY_A, KEY_B) for s in (a.key_salt, b.key_salt))
+
+    async def again():  # A's own follow-up finds A's blocks
+        async with served.client(KEY_A) as c:
+            document = "The quarterly report says revenue grew in every region. " * 20
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": document + " Summarize it.", "max_tokens": 400})
+            assert r.status_code == 200 and r.headers["x-swiftkv-route"] == "pool=swiftkv", r.headers
+
+    asyncio.run(again())
+    assert backends["swiftkv"].requests[-1].key_salt == a.key_salt
+
+
+def test_share_prefix_cache_lets_keys_share_and_one_tenant_is_not_salted(tiny_base, caplog):
+    """routing.share_prefix_cache: B's request goes where A's document is cached (reason prefix, shown with
+    expose_reason), unsalted; without keys nothing is salted either."""
+    served, routes, by_prefix = two_keys_send_one_document(tiny_base, caplog, share_prefix_cache=True, expose_reason=True)
+    assert by_prefix == 1 and routes[0].startswith("pool=swiftkv; reason=prefix; ratio=")
+    assert all(r.key_salt is None for b in served.backends.values() for r in b.requests)
+
+    cfg = platform_config(tiny_base, max_model_len=2048)
+    alone = InProcessGateway(cfg, batch=False)
+
+    async def run():
+        async with alone.client() as c:
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": "hello " * 50, "max_tokens": 1})
+            assert r.status_code == 200, r.text
+
+    asyncio.run(run())
+    assert [r.key_salt for b in alone.backends.values() for r in b.requests] == [None]
+
+
+def test_the_route_header_names_the_pool_only_unless_the_operator_exposes_the_reason(tiny_base):
+    """routing.expose_reason off (its default): `x-swiftkv-route: pool=...` (and `; mode=...` on a dual-mode pool running
+    the other model); on: the reason and ratio too."""
+    from services.gateway.routing import Decision
+
+    assert RoutingConfig().expose_reason is False and RoutingConfig().share_prefix_cache is False
+    assert Decision("swiftkv", "prefix", 2.5).header() == "pool=swiftkv"
+    assert Decision("base", "backlog", 12.5, mode="swiftkv").header() == "pool=base; mode=swiftkv"
+    assert Decision("base", "backlog", 12.5, mode="swiftkv").header(True) == "pool=base; reason=backlog; ratio=12.50; mode=swiftkv"
+    for expose, header in ((False, "pool=base"), (True, "pool=base; reason=ratio; ratio=")):
+        cfg = platform_config(tiny_base, routing={"expose_reason": expose})
+        served = InProcessGateway(cfg, batch=False)
+
+        async def run(served: InProcessGateway) -> str:
+            async with served.client() as c:
+                r = await c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 50})
+                assert r.status_code == 200, r.text
+                return r.headers["x-swiftkv-route"]
+
+        got = asyncio.run(run(served))
+        assert got == header if not expose else got.startswith(header), got
+    assert all(RoutingConfig.model_fields[f].description for f in ("expose_reason", "share_prefix_cache"))

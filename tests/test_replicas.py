@@ -74,6 +74,23 @@ def test_a_popular_prefix_spills_to_the_next_replica_beyond_the_load_margin():
     assert c.choose(request(document + tokens(10, 3))) == (other, SPILL)
 
 
+def test_each_keys_copy_of_a_prefix_is_ranked_on_its_own_salt():
+    """A key whose prefix cache is its own (a salt) finds its prefix's replica by the salted block, as the engine caches
+    it: its turns keep to one replica, and another key's copy of the same document is ranked apart (not drawn to
+    the replica that holds the first key's)."""
+    document = tokens(300, 5)
+    assert chooser().key(document, "k1") != chooser().key(document) and chooser().key(document, "k1") != chooser().key(document, "k2")
+
+    def salted(salt: str, seed: int) -> GenerateRequest:
+        r = request(document + tokens(10, seed))
+        r.key_salt = salt
+        return r
+
+    c = chooser(tuple("abcdefgh"))
+    assert len({c.choose(salted("k1", s))[0] for s in range(4)}) == 1
+    assert len({c.choose(salted(f"k{i}", 0))[0] for i in range(8)}) > 1  # 8 keys on 8 replicas: not one replica
+
+
 def test_short_prompts_go_to_the_least_loaded_in_turn():
     c = chooser()
     assert c.key(tokens(79, 1)) is None and c.key(tokens(80, 1)) is not None  # 64 tokens + the block past them

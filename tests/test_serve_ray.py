@@ -36,7 +36,7 @@ def ray_platform(tiny_base, tmp_path_factory):
                               "replicas": {"min": 1, "max": 1, "max_ongoing_requests": 8, "num_cpus": 0.5}},
                   "base": {"model": str(tiny_base), "engine_args": ENGINE,
                            "replicas": {"min": 1, "max": 2, "target_ongoing_requests": 8, "max_ongoing_requests": 8, "num_cpus": 0.5}}},
-        "routing": {"ratio_threshold": 1.2},
+        "routing": {"ratio_threshold": 1.2, "expose_reason": True},  # the tests read the route's reason
         "health": {"period_seconds": 1.0},
     }
     server = swiftkv_serve(work, config, "--engine", "ray", env={"SWIFTKV_RAY_METRICS_PORT": str(metrics_port)})

@@ -38,6 +38,7 @@ def make_app(tmp_path, tiny_base, monkeypatch):
     yield make
     for app in apps:
         app.state.service.io.close()
+        app.state.service.file_io.close()
         app.state.service.store.close()
 
 
@@ -125,11 +126,13 @@ def test_chart_listens_on_all_addresses_with_the_gateways_keys():
 async def test_model_is_fetched_only_for_a_valid_request_and_only_if_allowed(make_app, tiny_base, tmp_path, monkeypatch):
     import huggingface_hub
 
+    from services.training import api
     from swiftkv_core import catalog
 
     fetched = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda name, **kw: fetched.append(name) or str(tiny_base))
     monkeypatch.setattr(catalog, "prepare", lambda name, models_dir: fetched.append(name) or tiny_base)
+    monkeypatch.setattr(api, "hub_listing", lambda name: ("a" * 40, {"config.json": 1, "model.safetensors": 1}))
     app = make_app(allowed_models=["allowed-org/*"])
     async with client(app) as c:
         file_id = await upload(c)
@@ -143,7 +146,7 @@ async def test_model_is_fetched_only_for_a_valid_request_and_only_if_allowed(mak
         outside.symlink_to(tiny_base, target_is_directory=True)
         for model in ("other-org/llama", str(tiny_base), str(outside), f"../{outside.name}", "/etc", "a/b/c", ".", "x\u0000"):
             error = refused(await c.post("/v1/fine_tuning/jobs", json=job(model, file_id)), 400, "model")
-            assert MODEL in error["message"] and "allowed-org/*" in error["message"], error  # what is allowed
+            assert "allowed-org/*" in error["message"] and "smollm2" in error["message"], error  # what is allowed
         assert fetched == []
         for model in (MODEL, str(tmp_path / "models" / MODEL)):  # by name, or by its path in the models directory
             assert (await c.post("/v1/fine_tuning/jobs", json=job(model, file_id))).status_code == 200
@@ -249,3 +252,174 @@ async def test_odd_ids_cursors_and_metadata_are_4xx(make_app):
         refused(await c.get("/v1/fine_tuning/jobs", params={"after": "ftjob\x00"}), 400, "after")
         refused(await c.post("/v1/fine_tuning/jobs", json=job(training_file="file\x00x")), 400, "training_file")
         refused(await c.post("/v1/fine_tuning/jobs", json={**job(), "metadata": {"k": 1}}), 400, "metadata.k")
+
+
+# ---- 7. nothing a key reads names server paths, tracebacks or another tenant's models --------------------------
+async def test_refusals_and_failures_name_no_server_internals(make_app, tiny_base, tmp_path, monkeypatch):
+    """The model refusal says what is allowed without listing the models directory (other tenants' fine-tuned
+    models); hub errors, failed jobs, events and result files say what went wrong without paths or tracebacks."""
+    import huggingface_hub
+
+    from services.training import api
+    from swiftkv_core.catalog import register_fine_tuned
+
+    theirs = tmp_path / "models" / "tiny-swiftkv-theirsecret-abcd1234"
+    theirs.mkdir()
+    (theirs / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 8}')
+    register_fine_tuned(tmp_path / "models", theirs.name, theirs, {"base": MODEL, "job": "ftjob-theirs"})
+    secret = "/srv/secret-cache/models--allowed-org--llama"
+
+    def hub_down(name, **kw):
+        raise OSError(f"[Errno 28] No space left on device: '{secret}/blobs/x.incomplete'")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub_down)
+    monkeypatch.setattr(api, "hub_listing", lambda name: ("0" * 40, {"config.json": 10, "model.safetensors": 10}), raising=False)
+    app = make_app(allowed_models=["allowed-org/*"])
+    service = app.state.service
+    readable = []  # everything the key gets back
+    async with client(app) as c:
+        file_id = await upload(c)
+        for model in ("other-org/llama", "nonesuch", "../x"):
+            error = refused(await c.post("/v1/fine_tuning/jobs", json=job(model, file_id)), 400, "model")
+            assert "allowed-org/*" in error["message"] and "smollm2" in error["message"], error  # what is allowed
+            readable.append(error)
+        error = refused(await c.post("/v1/fine_tuning/jobs", json=job("allowed-org/llama", file_id)), 503, "model")
+        assert "allowed-org/llama" in error["message"] and "download" in error["message"], error
+        readable.append(error)
+
+        async def failed_job(log: str) -> dict:
+            r = await c.post("/v1/fine_tuning/jobs", json=job(MODEL, file_id))
+            job_id = r.json()["id"]
+            run_dir = service.worker.run_dir(job_id)
+            service.store.update_job(job_id, status="running", runner_ref="1", attempts=1)
+            (run_dir / "attempt-1.log").write_text(log.replace("RUN", str(run_dir)))
+            monkeypatch.setattr(service.worker.backend, "poll", lambda ref, run_dir: 2)
+            service.worker.tick()
+            done = (await c.get(f"/v1/fine_tuning/jobs/{job_id}")).json()
+            assert done["status"] == "failed", done
+            readable.extend([done, (await c.get(f"/v1/fine_tuning/jobs/{job_id}/events")).json()])
+            return done["error"]
+
+        traceback = (f'Traceback (most recent call last):\n  File "{secret}/distill.py", line 3, in run\n'
+                     "RuntimeError: CUDA error: out of memory\n")
+        assert "exited with code 2" in (await failed_job(traceback))["message"]
+        error = await failed_job("loading\nerror: RUN/train.jsonl:3: not valid JSON (Expecting value)\n")
+        assert "line 3" in error["message"] and "not valid JSON" in error["message"], error
+
+        # a finished job: its events and result file
+        r = await c.post("/v1/fine_tuning/jobs", json=job(MODEL, file_id))
+        job_id = r.json()["id"]
+        run_dir = service.worker.run_dir(job_id)
+        (run_dir / "out").mkdir()
+        (run_dir / "out" / "config.json").write_text("{}")
+        (run_dir / "out" / "summary.json").write_text(json.dumps({"tokens": 64, "teacher_cache": str(run_dir / "teacher-cache")}))
+        service.store.update_job(job_id, status="running", runner_ref="1", attempts=1)
+        service.worker._finish(service.store.get_job(None, job_id), run_dir)
+        done = (await c.get(f"/v1/fine_tuning/jobs/{job_id}")).json()
+        assert done["status"] == "succeeded", done
+        readable.extend([done, (await c.get(f"/v1/fine_tuning/jobs/{job_id}/events")).json(),
+                         (await c.get(f"/v1/files/{done['result_files'][0]}/content")).text])
+    text = json.dumps(readable)
+    for internal in (str(tmp_path), secret, "Traceback", "theirsecret", "Errno"):
+        assert internal not in text, (internal, text)
+
+
+# ---- 8. training files: each line bounded, read a line at a time, on threads of their own ----------------------
+async def test_a_training_line_past_max_line_bytes_is_a_400(make_app):
+    big = b'{"text": "' + b"x" * 1_500_000 + b'"}\n'
+    async with client(make_app()) as c:
+        file_id = await upload(c, records(3) + big + records(2))
+        error = refused(await c.post("/v1/fine_tuning/jobs", json=job(training_file=file_id)), 400, "training_file")
+        assert "line 4" in error["message"] and "1000000 bytes" in error["message"] and "max_line_bytes" in error["message"], error
+        assert error["code"] == "invalid_file_format"
+        ok = await upload(c, records(3) + b'{"text": "' + b"x" * 900_000 + b'"}\n')  # within the bound
+        assert (await c.post("/v1/fine_tuning/jobs", json=job(training_file=ok))).status_code == 200
+
+
+async def test_file_validation_does_not_stall_the_store_calls(make_app, monkeypatch):
+    """Two big files being checked at once hold the validation threads, not the ones every other call needs."""
+    import asyncio
+    import threading
+
+    from services.training import api
+
+    gate, entered = threading.Event(), threading.Semaphore(0)
+    real = api.check_records
+
+    def slow(*args):
+        entered.release()
+        gate.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(api, "check_records", slow)
+    app = make_app()
+    async with client(app) as c:
+        file_id = await upload(c)
+        creates = [asyncio.create_task(c.post("/v1/fine_tuning/jobs", json=job(training_file=file_id))) for _ in range(2)]
+        try:
+            for _ in range(2):
+                await asyncio.to_thread(entered.acquire, True, 10)
+            r = await asyncio.wait_for(c.get("/v1/fine_tuning/jobs"), 10)
+            assert r.status_code == 200
+        finally:
+            gate.set()
+            results = await asyncio.gather(*creates)
+        assert [r.status_code for r in results] == [200, 200]
+
+
+def test_run_folder_is_written_a_line_at_a_time(make_app, tmp_path):
+    """The run folder's data is copied a line at a time (a 512 MiB file is not held in memory); the held-out tenth
+    (no validation file) is the last lines, blank lines skipped."""
+    import tracemalloc
+
+    from services.training.api import check_layout, parse_method
+
+    service = make_app().state.service
+    train = tmp_path / "train.jsonl"
+    train.write_bytes(b"".join(b'{"text": "%d %s"}\n' % (i, b"x" * 500_000) for i in range(40)) + b"\n\n")
+    method = check_layout(parse_method(None), 8)
+    tracemalloc.start()
+    try:
+        service.prepare_run(tmp_path / "run", tmp_path, method, 0, train, None)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak} bytes held for a {train.stat().st_size}-byte file"
+    lines = (tmp_path / "run" / "train.jsonl").read_bytes().splitlines()
+    held = (tmp_path / "run" / "eval.jsonl").read_bytes().splitlines()
+    assert len(lines) == 36 and len(held) == 4 and held[-1].startswith(b'{"text": "39 '), (len(lines), len(held))
+
+
+# ---- 9. hub downloads: only the files a job needs, and only up to max_model_bytes -------------------------------
+async def test_hub_downloads_are_filtered_and_bounded(make_app, tiny_base, monkeypatch):
+    """The check is the trainer's, decided from the hub's file listing (here a local function in its place)."""
+    import huggingface_hub
+
+    from services.training import api
+
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda name, **kw: fetched.append((name, kw)) or str(tiny_base))
+    listings = {
+        "allowed-org/huge": {"config.json": 700, "model.safetensors.index.json": 30_000, "tokenizer.json": 9 << 20,
+                             **{f"model-{i:05d}-of-00030.safetensors": 5 << 30 for i in range(30)}},
+        "allowed-org/bin-only": {"config.json": 700, "pytorch_model.bin": 1 << 20, "tokenizer.json": 1 << 10},
+        "allowed-org/llama": {"config.json": 700, "model.safetensors": 1 << 20, "tokenizer.json": 1 << 10,
+                              "original/consolidated.00.pth": 900 << 30, "README.md": 100},  # what is not needed is not counted
+    }
+    monkeypatch.setattr(api, "hub_listing", lambda name: ("a" * 40, listings[name]), raising=False)
+    app = make_app(allowed_models=["allowed-org/*"])
+    async with client(app) as c:
+        file_id = await upload(c)
+        error = refused(await c.post("/v1/fine_tuning/jobs", json=job("allowed-org/huge", file_id)), 400, "model")
+        assert "max_model_bytes" in error["message"] and "allowed-org/huge" in error["message"], error
+        error = refused(await c.post("/v1/fine_tuning/jobs", json=job("allowed-org/bin-only", file_id)), 400, "model")
+        assert "safetensors" in error["message"], error
+        assert fetched == [], "nothing is downloaded past the check"
+        r = await c.post("/v1/fine_tuning/jobs", json=job("allowed-org/llama", file_id))
+        assert r.status_code == 200, r.text
+    [(name, kw)] = fetched
+    assert name == "allowed-org/llama" and kw["revision"] == "a" * 40, kw  # the revision whose size was checked
+    from huggingface_hub.utils import filter_repo_objects  # how snapshot_download applies allow_patterns
+
+    got = set(filter_repo_objects(listings["allowed-org/llama"], allow_patterns=kw["allow_patterns"]))
+    assert got == {"config.json", "model.safetensors", "tokenizer.json"}, got

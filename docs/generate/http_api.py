@@ -139,8 +139,10 @@ def preamble() -> str:
     return "\n".join([
         "## What the platform adds to OpenAI's API { #extensions }\n",
         "- **`x-swiftkv-route` response header.** Every generation response says where the request ran: "
-        "`pool=<pool>; reason=<reason>; ratio=<prompt/output ratio>`, then `; mode=<model>` when a dual-mode pool ran "
-        "the other pool's model. The reasons, as services/gateway/routing.py lists them:\n",
+        "`pool=<pool>`, then `; mode=<model>` when a dual-mode pool ran the other pool's model. Why it ran there goes to the "
+        "metrics and the log, and into the header (`pool=<pool>; reason=<reason>; ratio=<prompt/output ratio>`) only where "
+        "the operator sets `routing.expose_reason: true`: a `prefix` reason would tell one key what another sent. The "
+        "reasons, as services/gateway/routing.py lists them:\n",
         table(("Reason", "Meaning"), ((code(r), m) for r, m in route_reasons())),
         f"- **`priority` request field** (chat and completions): an integer, default `{priority}`; lower runs first on "
         f"engines started with `scheduling_policy: priority`. Batch API requests run at `batch.priority` "

@@ -21,6 +21,7 @@ from services.common.uploads import EXPIRY_FIELDS, EXPIRY_SECONDS, receive_uploa
 from services.common.validation import check_metadata, choice, describe
 
 from .batch_input import ENDPOINTS
+from .store import TooManyActive
 
 PURPOSES = ("batch", "fine-tune")
 LISTED_PURPOSES = (*PURPOSES, "batch_output", "fine-tune-results")  # uploads, and the files the services write
@@ -163,7 +164,13 @@ def build_router(service) -> APIRouter:
                   "completion_window": window, "metadata": metadata, "status": "validating", "created_at": int(now),
                   "expires_at": int(now + cfg.completion_windows[window]), "total": 0, "completed": 0, "failed": 0,
                   "prompt_tokens": 0, "completion_tokens": 0}
-        await db(store.add_batch, record)
+        try:
+            await db(store.add_batch, record, cfg.max_active_per_key)
+        except TooManyActive as e:
+            # One input file may back any number of batches: without a cap one key could queue work without end.
+            raise APIError(429, f"this key has {e.active} active batches (validating, in_progress or finalizing); the limit "
+                           f"is {e.limit} (batch.max_active_per_key): wait for one to finish or cancel one",
+                           "invalid_request_error", code="too_many_active_batches")
         service.runner.wake.set()  # the line checks and the work happen in the runner, under the batch's lease
         return batch_object(await db(store.get_batch, who, record["id"]))
 

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.uploads import jsonl_lines
 from services.common.validation import MAX_JSON_DEPTH, too_deep
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -36,7 +37,7 @@ def parse_input(path: Path, endpoint: str, max_lines: int, max_line_bytes: int) 
     seen: dict[str, int] = {}
     count = 0
     with open(path, "rb") as f:
-        for number, offset, raw in _raw_lines(f, max_line_bytes):
+        for number, offset, raw in jsonl_lines(f, max_line_bytes):
             if raw is not None and not raw.strip():
                 continue
             count += 1
@@ -65,23 +66,6 @@ def read_body(path: Path, line: Line) -> dict:
     with open(path, "rb") as f:
         f.seek(line.offset)
         return json.loads(f.read(line.size))["body"]
-
-
-def _raw_lines(f, cap: int):
-    """(number, offset, bytes) per line; bytes None for a line longer than `cap`, whose rest is skipped unread
-    into memory (a 200 MB file may be one line)."""
-    number = offset = 0
-    while raw := f.readline(cap + 1):
-        number += 1
-        size = len(raw)
-        if size > cap and not raw.endswith(b"\n"):
-            while rest := f.readline(1 << 20):
-                size += len(rest)
-                if rest.endswith(b"\n"):
-                    break
-            raw = None
-        yield number, offset, raw
-        offset += size
 
 
 def _check(raw: bytes, number: int, offset: int, endpoint: str, seen: dict[str, int]) -> Line | dict:

@@ -37,7 +37,8 @@ from typing import AsyncIterator, Iterable
 
 from sqlalchemy.exc import OperationalError
 
-from services.common.files import FileStore
+from services.common.errors import bad_request
+from services.common.files import FileStore, Incoming
 from services.common.threads import Threads
 from services.config import BatchConfig
 
@@ -324,6 +325,11 @@ class Job:
         r = self.runner
         kind = ENDPOINTS[self.batch["endpoint"]]
         request = await r.io(read_body, self.path, line)  # read when it runs: the job holds no bodies but those in flight
+        if request.get("stream") not in (None, False):
+            # Refused here, before the gateway charges the key's limits for a request it would then refuse.
+            await r.io(r.store.record, self.id, line.number, line.custom_id, 400, secrets.token_hex(12),
+                       bad_request("stream is not supported in a batch", param="stream").body())
+            return
         while True:
             if self.resume_at > time.monotonic() and await self.pause(self.resume_at - time.monotonic()):
                 return
@@ -370,9 +376,16 @@ class Job:
             # (Or the lease was lost, which finish() below notices.)
             final = "cancelled"
         while True:
-            new_files, values = await r.io(self.write_outputs, lines, final)
+            parts, new_files, values = await r.io(self.write_outputs, lines, final)
             values |= {"status": final, f"{final}_at": int(time.time())}
-            if await r.io(r.store.finish, self.id, r.worker, values, new_files, FINAL_FROM[final]):
+            try:
+                # The files move into place inside finish(), only while this worker still holds the lease.
+                done = await r.io(r.store.finish, self.id, r.worker, values, new_files, FINAL_FROM[final],
+                                  functools.partial(_commit, parts))
+            finally:
+                for part in parts:  # removes what was not moved into place (a lost lease, an error)
+                    part.discard()
+            if done:
                 metrics.finished.labels(final).inc()
                 log.info("batch %s %s", self.id, final)
                 return
@@ -380,10 +393,15 @@ class Job:
                 return  # the lease was lost: its new holder finishes the batch
             final = "cancelled"  # cancelled while its files were written
 
-    def write_outputs(self, lines: list[Line], final: str) -> tuple[list[dict], dict]:
+    def write_outputs(self, lines: list[Line], final: str) -> tuple[list[Incoming], list[dict], dict]:
         """The output file (successes) and error file (failures, and lines never run), in input order, each
-        written as it is read from the store. File ids derive from the batch id, so finishing twice (after a
-        crash) rewrites the same files."""
+        written as it is read from the store into a part file of this writer's own (another worker whose lease
+        lapsed may be writing the same file id), committed by finalize. File ids derive from the batch id, so
+        finishing twice (after a crash) rewrites the same files.
+
+        Output files are not checked against the key's storage quota: OpenAI still produces a batch's output, so it is
+        written and counted (FileRecords.used sums every file row of the key), and the key can upload nothing more
+        until it deletes files or they expire."""
         r, owner, suffix = self.runner, self.batch["owner"], self.id.removeprefix("batch_")
 
         def entry(row: dict) -> tuple[int, bytes]:
@@ -398,16 +416,29 @@ class Job:
                                           "error": {"code": f"batch_{final}", "message": message}}))
                      for line in lines if line.number not in done)
         failures = heapq.merge(map(entry, r.store.results(self.id, ok=False)), unrun, key=itemgetter(0))
-        new_files, values, now = [], {"output_file_id": None, "error_file_id": None}, int(time.time())
-        for field, file_id, content in (("output_file_id", f"file-{suffix}-output", map(entry, r.store.results(self.id, ok=True))),
-                                        ("error_file_id", f"file-{suffix}-errors", failures)):
-            first = next(content, None)
-            if first is not None:
-                size = r.files.write_lines(file_id, (data for _, data in itertools.chain([first], content)))
-                new_files.append({"id": file_id, "owner": owner, "purpose": "batch_output", "filename": f"{self.id}_{field[:-8]}.jsonl",
-                                  "bytes": size, "created_at": now})
-                values[field] = file_id
-        return new_files, values
+        parts, new_files, values, now = [], [], {"output_file_id": None, "error_file_id": None}, int(time.time())
+        try:
+            for field, file_id, content in (("output_file_id", f"file-{suffix}-output", map(entry, r.store.results(self.id, ok=True))),
+                                            ("error_file_id", f"file-{suffix}-errors", failures)):
+                first = next(content, None)
+                if first is not None:
+                    part = Incoming(r.files.root / f".{file_id}.{secrets.token_hex(6)}.part", r.files.path(file_id))
+                    parts.append(part)
+                    for _, data in itertools.chain([first], content):
+                        part.write(data)
+                    new_files.append({"id": file_id, "owner": owner, "purpose": "batch_output",
+                                      "filename": f"{self.id}_{field[:-8]}.jsonl", "bytes": part.size, "created_at": now})
+                    values[field] = file_id
+        except BaseException:
+            for part in parts:
+                part.discard()
+            raise
+        return parts, new_files, values
+
+
+def _commit(parts: list[Incoming]) -> None:
+    for part in parts:
+        part.commit()
 
 
 def _line(entry: dict) -> bytes:

@@ -49,11 +49,14 @@ class BatchService:
         self._tasks = [asyncio.create_task(loop) for loop in loops]
 
     async def sweep_expired(self) -> None:
-        """Deletes expired files while the gateway runs."""
+        """Deletes expired files, and the line results of finished batches from before they were dropped at the
+        finish, while the gateway runs."""
         while True:
             try:
                 if removed := await self.io(self.records.sweep):
                     log.info("deleted %d expired files", removed)
+                if pruned := await self.io(self.store.prune_results):
+                    log.info("dropped the line results of %d finished batches", pruned)
             except Exception as e:  # the database is away: try again next time
                 log.warning("deleting expired files: %s", e)
             await asyncio.sleep(self.cfg.file_sweep_seconds)

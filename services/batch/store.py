@@ -8,6 +8,7 @@ the holder of its lease (claimed with FOR UPDATE SKIP LOCKED where the database 
 compare-and-set on the lease's expiry), and taken over when the holder stops renewing it. Claims go to the
 key with the fewest batches being worked, so one key's batches cannot hold every runner. A status moves
 only from the statuses it may come from (compare-and-set), so a cancel is never overwritten by a runner.
+A final batch keeps no line results: its output and error files hold them (and expire, or are deleted, with them).
 
 Every method is synchronous and short; async callers run them in a thread.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Collection, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 from sqlalchemy import (
     JSON,
@@ -30,6 +31,7 @@ from sqlalchemy import (
     Table,
     Text,
     and_,
+    delete,
     func,
     insert,
     or_,
@@ -82,6 +84,20 @@ results = Table(
 # Statuses a runner still has work for; the others are final.
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("failed", "completed", "expired", "cancelled")
+# Statuses counted against batch.max_active_per_key: the batches whose lines are still to run or be written.
+CAPPED = ("validating", "in_progress", "finalizing")
+
+
+class TooManyActive(Exception):
+    def __init__(self, active: int, limit: int):
+        super().__init__(f"{active} active batches; the limit is {limit}")
+        self.active, self.limit = active, limit
+
+
+def _drop_results(conn, batch_id: str) -> None:
+    """A final batch's line results: its output and error files hold them from now on (or, failed, nobody reads
+    them), so they go rather than grow the database forever."""
+    conn.execute(delete(results).where(results.c.batch_id == batch_id))
 
 
 class BatchStore:
@@ -100,9 +116,19 @@ class BatchStore:
             return conn.execute(q).scalar_one() > 0
 
     # ---- batches ---------------------------------------------------------------------------------
-    def add_batch(self, record: dict) -> None:
+    def add_batch(self, record: dict, max_active: int | None = None) -> None:
+        """Insert the batch; with `max_active`, refused with TooManyActive (nothing kept) when its key would then
+        have more than that many batches in CAPPED statuses."""
         with self.engine.begin() as conn:
-            conn.execute(insert(batches).values(**record))
+            if max_active is not None and conn.dialect.name == "postgresql":
+                # one key's creates one at a time, so two concurrent ones cannot both pass at the limit
+                conn.execute(select(func.pg_advisory_xact_lock(func.hashtext(record["owner"]))))
+            conn.execute(insert(batches).values(**record))  # on SQLite the insert takes the write lock first
+            if max_active is not None:
+                active = conn.execute(select(func.count()).select_from(batches).where(
+                    batches.c.owner == record["owner"], batches.c.status.in_(CAPPED))).scalar_one()
+                if active > max_active:
+                    raise TooManyActive(active - 1, max_active)
 
     def get_batch(self, owner: str | None, batch_id: str) -> dict | None:
         q = select(batches).where(batches.c.id == batch_id)
@@ -153,9 +179,10 @@ class BatchStore:
                 reason = {"code": "batch_processing_failed", "param": None, "line": None,
                           "message": f"the batch could not be processed: {attempts} workers in a row stopped while holding it "
                                      "(a process killed, e.g. out of memory); it was not retried again"}
-                conn.execute(update(batches).where(batches.c.id == row.id, free).values(
-                    attempts=attempts, lease_owner=None, lease_until=None, status="failed", failed_at=int(now),
-                    errors={"object": "list", "data": [reason]}))
+                if conn.execute(update(batches).where(batches.c.id == row.id, free).values(
+                        attempts=attempts, lease_owner=None, lease_until=None, status="failed", failed_at=int(now),
+                        errors={"object": "list", "data": [reason]})).rowcount == 1:
+                    _drop_results(conn, row.id)
                 return None
             taken = conn.execute(update(batches).where(batches.c.id == row.id, free)
                                  .values(lease_owner=worker, lease_until=now + lease_seconds, attempts=attempts)).rowcount
@@ -194,6 +221,7 @@ class BatchStore:
             values: dict[str, Any] = {"attempts": attempts + 1, "lease_owner": None, "lease_until": None}
             if attempts + 1 >= max_attempts:
                 values |= {"status": "failed", "failed_at": int(time.time()), "errors": {"object": "list", "data": errors}}
+                _drop_results(conn, batch_id)
             conn.execute(update(batches).where(held).values(**values))
             return attempts + 1 >= max_attempts
 
@@ -208,24 +236,39 @@ class BatchStore:
             return set(conn.execute(select(results.c.line).where(results.c.batch_id == batch_id)).scalars())
 
     def record(self, batch_id: str, line: int, custom_id: str, status_code: int, request_id: str, body: dict) -> bool:
-        """Commit one finished line and count it; False if the line was already recorded (not counted again)."""
+        """Commit one finished line and count it; False if the line was already recorded (not counted again) or the
+        batch is final (its results went into its files and were dropped: a late line from a worker that lost the lease
+        must not count twice)."""
         ok = status_code == 200
         usage = body.get("usage") if ok and isinstance(body.get("usage"), dict) else {}
+        counter = batches.c.completed if ok else batches.c.failed
         try:
             with self.engine.begin() as conn:
-                conn.execute(insert(results).values(batch_id=batch_id, line=line, custom_id=custom_id, ok=ok,
-                                                    status_code=status_code, request_id=request_id,
-                                                    body=json.dumps(body, separators=(",", ":"))))
-                counter = batches.c.completed if ok else batches.c.failed
-                conn.execute(update(batches).where(batches.c.id == batch_id).values({
+                # The count first: it locks the batch's row, so a finish committing meanwhile is waited for and seen.
+                counted = conn.execute(update(batches).where(batches.c.id == batch_id, batches.c.status.in_(ACTIVE)).values({
                     counter: counter + 1,
                     batches.c.attempts: 0,  # progress: the failures before it were not the batch's fault
                     batches.c.prompt_tokens: batches.c.prompt_tokens + int(usage.get("prompt_tokens", 0)),
                     batches.c.completion_tokens: batches.c.completion_tokens + int(usage.get("completion_tokens", 0)),
-                }))
+                })).rowcount == 1
+                if not counted:
+                    return False
+                conn.execute(insert(results).values(batch_id=batch_id, line=line, custom_id=custom_id, ok=ok,
+                                                    status_code=status_code, request_id=request_id,
+                                                    body=json.dumps(body, separators=(",", ":"))))
             return True
         except IntegrityError:
             return False
+
+    def prune_results(self, batches_at_once: int = 10) -> int:
+        """Drop the results of up to `batches_at_once` final batches that still have some (those finished before
+        finish() dropped them); returns how many batches were pruned."""
+        final = select(results.c.batch_id).join(batches, batches.c.id == results.c.batch_id).where(batches.c.status.in_(FINAL))
+        with self.engine.begin() as conn:
+            ids = list(conn.execute(final.distinct().limit(batches_at_once)).scalars())
+            if ids:
+                conn.execute(delete(results).where(results.c.batch_id.in_(ids)))
+        return len(ids)
 
     def results(self, batch_id: str, ok: bool) -> Iterator[dict]:
         """Finished lines that succeeded (or failed) in input order, fetched a few at a time (a server-side
@@ -235,13 +278,22 @@ class BatchStore:
             for row in conn.execution_options(yield_per=500).execute(q).mappings():
                 yield dict(row)
 
-    def finish(self, batch_id: str, worker: str, values: dict, new_files: list[dict], from_status: Collection[str] = ACTIVE) -> bool:
+    def finish(self, batch_id: str, worker: str, values: dict, new_files: list[dict], from_status: Collection[str] = ACTIVE,
+               publish: Callable[[], None] = lambda: None) -> bool:
         """Final status and its output files in one transaction, by the lease holder only and while the
-        status is one of `from_status`."""
-        with self.engine.connect() as conn:
-            self.files.replace(conn, new_files)  # ids are derived from the batch: a repeated finish replaces them
+        status is one of `from_status`; the line results go (the files hold them now).
+
+        Fenced by the lease: the compare-and-set on the holder comes first and holds the batch's row (PostgreSQL) or
+        the database's write lock (SQLite) until the commit, so `publish` (moving the written files into place) runs
+        only while this worker holds the lease and nobody can take it over meanwhile. A worker whose lease lapsed
+        publishes nothing. False when the lease or the status was not this worker's."""
+        with self.engine.begin() as conn:
             done = conn.execute(update(batches).where(batches.c.id == batch_id, batches.c.lease_owner == worker,
                                                       batches.c.status.in_(list(from_status)))
                                 .values(**values, lease_owner=None, lease_until=None)).rowcount == 1
-            conn.commit() if done else conn.rollback()
-            return done
+            if not done:
+                return False
+            self.files.replace(conn, new_files)  # ids are derived from the batch: a repeated finish replaces them
+            _drop_results(conn, batch_id)
+            publish()  # raising rolls all of it back; the batch stays as it was for a retry
+        return True

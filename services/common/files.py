@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Iterable, Protocol
 
-from sqlalchemy import BigInteger, Column, MetaData, String, Table, case, delete, func, insert, null, or_, select
+from sqlalchemy import BigInteger, Column, MetaData, String, Table, case, delete, func, insert, null, or_, select, text
 from sqlalchemy.engine import Connection, Engine
 
 from .database import open_database, select_page
@@ -36,6 +36,19 @@ expiry = Table(
     Column("expires_at", BigInteger, nullable=False, index=True),
 )
 STALE_PART_SECONDS = 3600  # a part file untouched this long belongs to an upload or a write that died
+
+# The bytes of each upload still streaming, held against its key's quota beside the key's files, so that uploads of a
+# key running at once (in any process on the database) share one room. The upload refreshes its row as it goes; a row
+# left untouched for RESERVATION_SECONDS belongs to an upload whose process died: it no longer counts, and is swept.
+reservations = Table(
+    "swiftkv_file_reservations", metadata,
+    Column("file_id", String(64), primary_key=True),
+    Column("owner", String(64), nullable=False, index=True),
+    Column("bytes", BigInteger, nullable=False),
+    Column("updated_at", BigInteger, nullable=False),
+)
+RESERVATION_SECONDS = 600
+QUOTA_LOCK = 7263515  # PostgreSQL advisory lock space of the per-key quota locks (database.SCHEMA_LOCK is another key)
 
 
 def file_object(f: dict) -> dict:
@@ -214,17 +227,47 @@ class FileRecords:
         return [r | {"expires_at": when.get(r["id"])} for r in rows]
 
     def used(self, owner: str, conn: Connection | None = None) -> int:
-        """Bytes of the key's files that have not expired: uploads and batch output alike."""
+        """Bytes of the key's files that have not expired (uploads and batch output alike) and of its uploads still
+        streaming."""
         if conn is None:
             with self.engine.connect() as conn:
                 return self.used(owner, conn)
-        return int(conn.execute(self.sums.where(files.c.owner == owner, self.live())).scalar_one())
+        stored = conn.execute(self.sums.where(files.c.owner == owner, self.live())).scalar_one()
+        streaming = conn.execute(select(func.coalesce(func.sum(reservations.c.bytes), 0)).where(
+            reservations.c.owner == owner, reservations.c.updated_at > int(time.time()) - RESERVATION_SECONDS)).scalar_one()
+        return int(stored) + int(streaming)
+
+    @staticmethod
+    def lock_quota(conn: Connection, owner: str) -> None:
+        """Check-and-write of a key's bytes, one transaction at a time per key: PostgreSQL's READ COMMITTED would let
+        two transactions each see only their own new row. SQLite needs no lock: a transaction whose first statement
+        writes holds the database's single write lock until it ends (each caller writes before it sums)."""
+        if conn.dialect.name == "postgresql":
+            conn.execute(text(f"SELECT pg_advisory_xact_lock({QUOTA_LOCK}, hashtext(:owner))"), {"owner": owner})
+
+    def reserve(self, file_id: str, owner: str, size: int, quota: int) -> int:
+        """Hold `size` bytes of the key's quota for the upload `file_id` while it streams (and refresh the hold); the
+        bytes the key's files and its other uploads hold. QuotaExceeded (the earlier hold kept) when they leave less."""
+        with self.engine.begin() as conn:
+            self.lock_quota(conn, owner)
+            conn.execute(delete(reservations).where(reservations.c.file_id == file_id))
+            conn.execute(insert(reservations).values(file_id=file_id, owner=owner, bytes=size, updated_at=int(time.time())))
+            if (used := self.used(owner, conn)) > quota:
+                raise QuotaExceeded(used - size, quota)
+            return used - size
+
+    def release(self, file_id: str) -> None:
+        """An upload's hold, when it failed (adding the file ends it otherwise)."""
+        with self.engine.begin() as conn:
+            conn.execute(delete(reservations).where(reservations.c.file_id == file_id))
 
     def add(self, record: dict, expires_at: int | None, quota: int | None) -> None:
-        """The file's row (and its expiry) in one transaction, refused with QuotaExceeded (nothing kept) when the
-        key's files would then hold more than `quota` bytes."""
+        """The file's row (and its expiry) in one transaction, in place of its upload's hold, refused with
+        QuotaExceeded (nothing kept) when the key's files and its other uploads would then hold more than `quota`."""
         with self.engine.begin() as conn:
+            self.lock_quota(conn, record["owner"])
             conn.execute(insert(files).values(**record))
+            conn.execute(delete(reservations).where(reservations.c.file_id == record["id"]))
             if expires_at is not None:
                 conn.execute(insert(expiry).values(file_id=record["id"], expires_at=expires_at))
             if quota is not None and (used := self.used(record["owner"], conn)) > quota:
@@ -239,7 +282,7 @@ class FileRecords:
 
     def sweep(self, limit: int = 1000) -> int:
         """Remove up to `limit` expired files (one the store's jobs still read, the input of a batch still running,
-        waits for them to end) and abandoned part files; returns how many files went."""
+        waits for them to end), abandoned part files and holds; returns how many files went."""
         with self.engine.connect() as conn:
             due = conn.execute(select(files.c.id, files.c.owner).select_from(self.joined)
                                .where(self.expires_at <= int(time.time())).order_by(self.expires_at).limit(limit)).all()
@@ -249,4 +292,6 @@ class FileRecords:
                 self.remove(owner, file_id)
                 removed += 1
         self.contents.remove_stale_parts(STALE_PART_SECONDS)
+        with self.engine.begin() as conn:
+            conn.execute(delete(reservations).where(reservations.c.updated_at <= int(time.time()) - RESERVATION_SECONDS))
         return removed

@@ -11,6 +11,9 @@ publishes its KV-cache events (services/common/kv_events.py), they correct it: b
 (`removed`) or dropped all at once (`forget`); in a pool of several servers, `ServerBlocks` keeps a block in the pool's
 index while any of them still holds it.
 
+A request's cache salt (vLLM's `cache_salt`: an API key's, where keys' caches are kept apart) is hashed into its first
+block as vLLM does, so one key's blocks never match another's, here as in the engine.
+
 Blocks are keyed as vLLM's events name them (`block_key`: the hash's last 8 bytes as an integer, vLLM's default
 VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), so an event's hashes and the gateway's own meet.
 
@@ -49,14 +52,18 @@ def block_key(block_hash: bytes | int) -> int:
     return block_hash if isinstance(block_hash, int) else int.from_bytes(block_hash[-8:], "big")
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE, parent: bytes | None = None) -> list[bytes]:
+def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE, parent: bytes | None = None,
+                 salt: str | None = None) -> list[bytes]:
     """The chained hashes of the full blocks of `token_ids` (a partial last block has none). Token ids must be Python
-    ints, as vLLM's are: the hash is over their pickled tuple."""
+    ints, as vLLM's are: the hash is over their pickled tuple. `salt` is the request's cache_salt, which vLLM hashes
+    into a prompt's first block only: give it for a chain that starts at the prompt's first token."""
     parent = none_hash() if parent is None else parent
+    # (parent, block tokens, extra keys): extra keys (LoRA, multimodal, cache salt) are None for a plain prompt
+    extra = (("cache_salt", salt),) if salt else None
     out = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        # (parent, block tokens, extra keys): extra keys (LoRA, multimodal, cache salt) are None for a plain prompt
-        parent = _sha256((parent, tuple(token_ids[start:start + block_size]), None))
+        parent = _sha256((parent, tuple(token_ids[start:start + block_size]), extra))
+        extra = None
         out.append(parent)
     return out
 
@@ -88,9 +95,12 @@ class PrefixIndex:
         while lru and len(lru) > limit:
             lru.popitem(last=False)
 
-    def hashes(self, token_ids: Sequence[int], parent: bytes | None = None) -> list[bytes]:
-        """The chained hashes of the full blocks of `token_ids`, continuing the chain after `parent` when given."""
-        return block_hashes(token_ids, self.block_size, self._none_hash if parent is None else parent)
+    def hashes(self, token_ids: Sequence[int], parent: bytes | None = None, salt: str | None = None) -> list[bytes]:
+        """The chained hashes of the full blocks of `token_ids`, continuing the chain after `parent` when given, else
+        from the prompt's start with its cache salt `salt` (an API key's blocks then never meet another key's)."""
+        if parent is not None:
+            return block_hashes(token_ids, self.block_size, parent)
+        return block_hashes(token_ids, self.block_size, self._none_hash, salt)
 
     def record(self, target: str, hashes: Sequence[bytes | int]) -> None:
         """`target` was sent a prompt with these blocks, or its engine says it stored them: they become its most

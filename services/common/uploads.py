@@ -1,17 +1,21 @@
 """`POST /v1/files` for every service that takes uploads: OpenAI's multipart form (`file`, `purpose`, and
 `expires_after` where files expire), parsed as it arrives so the file's bytes go straight into the file store,
-counted, and an upload past its bound stops at that byte with a 413."""
+counted, and an upload past its bound stops at that byte with a 413; a body slower than its deadline is a 408."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import AsyncIterator
 
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
+from services.config import LimitsConfig
+
 from .errors import APIError, bad_request
-from .files import FileRecords, FileRows, FileStore, QuotaExceeded, file_object
+from .files import RESERVATION_SECONDS, FileRecords, FileRows, FileStore, QuotaExceeded, file_object
 from .ids import new_id
 from .validation import choice, describe
 
@@ -20,6 +24,9 @@ EXPIRY_SECONDS = (3600, 2_592_000)  # OpenAI's bounds: 1 hour to 30 days
 UPLOAD_SLACK = 1 << 16  # multipart framing and the text fields around the file's own bytes
 FIELD_BYTES = 1024  # a text field of the upload form (purpose, expires_after[...])
 WRITE_BYTES = 1 << 20  # file bytes gathered before each write (one hop to the io threads)
+EPILOGUE_BYTES = 1024  # read after the closing boundary (a client's trailing CRLF); more is a 400 that closes the connection
+MIN_UPLOAD_RATE = 64 << 10  # bytes a second an upload must keep up, after its first body_timeout seconds (`arriving`)
+BODY_TIMEOUT = LimitsConfig.model_fields["body_timeout_seconds"].default  # the gateway's limits.body_timeout_seconds
 CLOSE = {"Connection": "close"}  # a refusal before the whole body was read: the rest is never read
 
 
@@ -28,7 +35,7 @@ def too_large(what: str, max_bytes: int) -> APIError:
 
 
 def over_quota(what: str, used: int, quota: int) -> APIError:
-    return APIError(413, f"{what}; this key's files hold {used} of its {quota} bytes (batch.max_storage_bytes_per_key): delete "
+    return APIError(413, f"{what}; this key's files and uploads in progress hold {used} of its {quota} bytes (batch.max_storage_bytes_per_key): delete "
                     "files or let them expire", param="file", code="storage_quota_exceeded", headers=CLOSE)
 
 
@@ -125,62 +132,129 @@ def expiry_seconds(fields: dict[str, str]) -> int | None:
     return int(seconds)
 
 
+async def arriving(stream: AsyncIterator[bytes], seconds: float) -> AsyncIterator[bytes]:
+    """The body's chunks while they keep up: the whole body within `seconds` plus one second per MIN_UPLOAD_RATE
+    bytes received (Apache mod_reqtimeout's MinRate: a large file may take long, a client dribbling bytes may not).
+    Later is a 408 that closes the connection."""
+    loop = asyncio.get_running_loop()
+    deadline, chunks = loop.time() + seconds, aiter(stream)
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise APIError(408, f"the upload arrived too slowly: the whole body is due within {seconds:g} s plus one second per "
+                                f"{MIN_UPLOAD_RATE} bytes", code="request_timeout", headers=CLOSE) from None
+        deadline += len(chunk) / MIN_UPLOAD_RATE
+        yield chunk
+
+
 async def receive_upload(request: Request, who: str, purposes: tuple[str, ...], max_bytes: int, files: FileStore, rows: FileRows,
-                         db, io, records: FileRecords | None = None, quota: int | None = None) -> dict:
+                         db, io, records: FileRecords | None = None, quota: int | None = None,
+                         body_timeout: float = BODY_TIMEOUT) -> dict:
     """`POST /v1/files` (multipart `file` and `purpose`; with `records`, OpenAI's `expires_after` too) for the Batch
-    API and the trainer. The body is parsed as it arrives and the file's bytes go straight into the file store,
-    counted: past `max_bytes`, or past what is left of the key's `quota` (with `records`), the reading stops at once
-    with a 413. Then the record into the file rows (`records` when given); a refused or failed upload leaves
-    neither. `db` and `io` run a blocking call of the rows and of the file store. The File object."""
-    used = await db(records.used, who) if quota is not None else 0
-    room = max_bytes if quota is None else min(max_bytes, quota - used)
+    API and the trainer. The body is parsed as it arrives (`arriving`: within `body_timeout`) and the file's bytes go
+    straight into the file store, counted: past `max_bytes`, or past what is left of the key's `quota` (with
+    `records`), the reading stops with a 413. While it streams, the upload holds the bytes it declared, or has
+    written, against the quota (`FileRecords.reserve`), so uploads of a key running at once never hold more than the
+    quota between them. Then the record into the file rows (`records` when given); a refused or failed upload leaves neither.
+    `db` and `io` run a blocking call of the rows and of the file store. The File object."""
+    file_id = new_id("file-")
+    held = 0  # bytes of the key's files and its other uploads, as of the upload's last hold
+
+    def room() -> int:
+        return max_bytes if quota is None else min(max_bytes, quota - held)
 
     def refused(what: str) -> APIError:
-        return too_large(what, max_bytes) if room == max_bytes else over_quota(what, used, quota)
+        return too_large(what, max_bytes) if room() == max_bytes else over_quota(what, held, quota)
+
+    async def hold(size: int) -> None:
+        nonlocal held
+        if quota is not None:
+            try:
+                held = await db(records.reserve, file_id, who, size, quota)
+            except QuotaExceeded as e:  # uploads of the key running meanwhile took the room
+                held = e.used
+                raise refused(f"the file passed {room()} bytes" if size else "no room is left") from None
 
     declared = content_length(request)
-    if room <= 0 or (declared is not None and declared > room + UPLOAD_SLACK):
-        raise refused(f"the upload is {declared} bytes" if declared is not None else "no room is left")
     form = UploadForm(request.headers.get("content-type", ""), ("file", "purpose", *(EXPIRY_FIELDS if records else ())))
-    file_id = new_id("file-")
-    part = await io(files.receive, file_id)
+    part = None
     try:
+        await hold(0)
+        if room() <= 0 or (declared is not None and declared > room() + UPLOAD_SLACK):
+            raise refused(f"the upload is {declared} bytes" if declared is not None else "no room is left")
+        floor = min(declared or 0, room())  # held at once: of uploads racing for the room, the first gets it all
+        if floor:
+            await hold(floor)
+        part = await io(files.receive, file_id)
         pending: list[bytes] = []
-        received = 0
+        received = epilogue = 0
+        held_at = time.monotonic()
         try:
-            async for chunk in request.stream():
+            async for chunk in arriving(request.stream(), body_timeout):
+                if form.ended:  # after the closing boundary: ignored, as RFC 2046 has it, but only a little is read
+                    epilogue += len(chunk)
+                    if epilogue > EPILOGUE_BYTES:
+                        raise APIError(400, f"more than {EPILOGUE_BYTES} bytes follow the multipart body's closing boundary",
+                                       param="file", headers=CLOSE)
+                    continue
                 data = form.feed(chunk)
                 received += sum(map(len, data))
-                if received > room:  # stop reading here: the rest of the body never arrives
-                    raise refused(f"the file passed {room} bytes")
+                if received > room():  # stop reading here: the rest of the body never arrives
+                    raise refused(f"the file passed {room()} bytes")
                 pending += data
-                if received - part.size >= WRITE_BYTES:
+                if received - part.size >= WRITE_BYTES or time.monotonic() - held_at > RESERVATION_SECONDS / 4:
+                    await hold(max(received, floor))  # before the bytes reach the volume
+                    held_at = time.monotonic()
                     await io(part.write, b"".join(pending))
                     pending = []
         except ClientDisconnect:
             raise bad_request("the upload ended before the whole body arrived", param="file") from None
-        await io(part.write, b"".join(pending))
         if not form.ended:
             raise bad_request("the multipart body ended before its closing boundary", param="file")
         if form.filename is None:
             raise bad_request("a multipart field 'file' with the file's contents is required", param="file")
         purpose = choice(form.fields.get("purpose"), "purpose", purposes)
         seconds = expiry_seconds(form.fields)
+        await hold(max(received, floor))
+        await io(part.write, b"".join(pending))
         size = await io(part.commit)
-    finally:
-        await io(part.discard)
-    now = int(time.time())
-    record = {"id": file_id, "owner": who, "purpose": purpose, "filename": form.filename, "bytes": size, "created_at": now}
-    chosen = now + seconds if seconds else None
-    try:
-        if records is None:
-            await db(rows.add, record)
-        else:
-            await db(records.add, record, chosen, quota)
-    except QuotaExceeded as e:  # uploads of the key that ran meanwhile took the room
-        await io(files.delete, file_id)
-        raise over_quota(f"the file is {size} bytes", e.used, e.quota)
-    except BaseException:
-        await io(files.delete, file_id)  # no record, no contents
+        now = int(time.time())
+        record = {"id": file_id, "owner": who, "purpose": purpose, "filename": form.filename, "bytes": size, "created_at": now}
+        chosen = now + seconds if seconds else None
+        try:
+            if records is None:
+                await db(rows.add, record)
+            else:
+                await db(records.add, record, chosen, quota)  # ends the hold
+        except QuotaExceeded as e:  # batch output (never refused) took the room meanwhile
+            raise over_quota(f"the file is {size} bytes", e.used, e.quota) from None
+    except BaseException:  # no record, no contents, no hold
+        if part is not None:
+            await io(part.discard)
+            await io(files.delete, file_id)
+        if quota is not None:
+            await db(records.release, file_id)
         raise
     return file_object(record | {"expires_at": chosen or (records.default_expiry(purpose, now) if records else None)})
+
+
+def jsonl_lines(f, cap: int):
+    """The lines of an uploaded JSONL file opened in binary (Batch input, training data): (number, offset, bytes) per
+    line; bytes None for a line longer than `cap`, whose rest is skipped unread into memory (a 200 MB file may be
+    one line)."""
+    number = offset = 0
+    while raw := f.readline(cap + 1):
+        number += 1
+        size = len(raw)
+        if size > cap and not raw.endswith(b"\n"):
+            while rest := f.readline(1 << 20):
+                size += len(rest)
+                if rest.endswith(b"\n"):
+                    break
+            raw = None
+        yield number, offset, raw
+        offset += size

@@ -1,6 +1,7 @@
 """Admission: everything a generation request goes through before it is routed. The key is identified, the body
-read within its bounds (size, time, JSON depth), the request validated against the schemas and the configured
-bounds (`limits`), charged to the key's per-minute limits, and its prompt built and counted off the event loop.
+read within its bounds (size, time), the key charged the request and the body's bytes, the body decoded (JSON depth)
+and validated against the schemas and the configured bounds (`limits`), off the event loop when large, its output
+reserved against the key's per-minute limits, and its prompt built and counted off the event loop.
 The result is an `AdmittedRequest`; any refusal is an APIError in OpenAI's envelope."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import asyncio
 import json
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -24,7 +26,7 @@ from .prompts import Prompter
 from .rate_limits import RateLimiter, RedisRateLimiter
 from .render import ChatRender, CompletionRender, Renderer
 from .routing import Ewma, PoolState
-from .schemas import ChatCompletionRequest, CompletionRequest, check_tree, parse
+from .schemas import MAX_INT32, ChatCompletionRequest, CompletionRequest, check_tree, parse
 from .tools import ToolCalls, parser_class
 
 # APIError codes -> the `reason` label of swiftkv_requests_rejected (others: invalid_request)
@@ -36,6 +38,7 @@ REJECTION_REASONS = {
     "array_above_max_length": "bounds",
     "string_above_max_length": "bounds",
     "integer_above_max_value": "bounds",
+    "integer_below_min_value": "bounds",
     "context_length_exceeded": "prompt_too_long",
     "response_too_large": "bounds",
     "model_not_found": "unknown_model",
@@ -45,6 +48,65 @@ REJECTION_REASONS = {
 
 def count_rejection(error: APIError, source: str) -> None:
     metrics.rejections.labels(REJECTION_REASONS.get(error.code or "", "invalid_request"), source).inc()
+
+
+# Bodies up to this size are decoded and validated on the event loop (a few ms at worst: 16 kB of tiny arrays); larger
+# ones on the CPU pool (a hop of tens of microseconds), so up to limits.max_body_bytes of JSON (1 MB of tiny arrays:
+# 250 ms of decoding and checks) never stalls the other streams for the whole of it.
+SMALL_BODY_BYTES = 16 * 1024
+
+
+def decode(body: bytes) -> object:
+    """A JSON body's bytes -> its value, checked by `check_tree`; what is not JSON is a 400."""
+    try:
+        text = body.decode(json.detect_encoding(body))  # what json.loads(bytes) would decode
+        data = json.loads(text)
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise bad_request(f"malformed JSON body: {e}", code="invalid_json")
+    except RecursionError:
+        raise bad_request("the JSON body nests objects and arrays too deeply", code="invalid_json")
+    check_tree(data, text)
+    return data
+
+
+BATCHED_PROMPTS = "send one prompt per request (batched prompts are not supported; use n for several completions)"
+
+
+def too_many(param: str, have: int, limit: int, what: str, setting: str) -> None:
+    if have > limit:
+        raise APIError(400, f"{param} has {have} {what}; the limit is {limit} (limits.{setting})",
+                       param=param, code="array_above_max_length")
+
+
+class OutputEstimates:
+    """Output tokens per choice expected of a request without max_tokens, per key and model name: the moving average
+    of that key's answers on that model that ran to their own end, so a key's answers move only its own. At most
+    `size` are kept, the least recently used forgotten (back to `default`)."""
+
+    def __init__(self, default: float, size: int = 10_000):
+        self.default, self.size = default, size
+        self.values: OrderedDict[tuple[str, str], Ewma] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def get(self, identity: str, model: str) -> float:
+        ewma = self.values.get((identity, model))
+        if ewma is None:
+            return self.default
+        self.values.move_to_end((identity, model))
+        return ewma.value
+
+    def update(self, identity: str, model: str, output: float, max_output: int) -> None:
+        """An answer of `output` tokens per choice to a request that could have had `max_output` (what a backend
+        reports past that, or an empty answer, moves the estimate no further than the request's bounds)."""
+        key = (identity, model)
+        ewma = self.values.get(key) or Ewma(self.default)
+        ewma.update(min(max(output, 1), max(max_output, 1)))
+        self.values[key] = ewma
+        self.values.move_to_end(key)
+        if len(self.values) > self.size:
+            self.values.popitem(last=False)
 
 
 @dataclass
@@ -84,7 +146,7 @@ class Admission:
         limits = (cfg.limits.requests_per_minute, cfg.limits.prompt_tokens_per_minute, cfg.limits.output_tokens_per_minute, keys.digests)
         self.limiter = RedisRateLimiter(cfg.redis_url, *limits) if cfg.redis_url else RateLimiter(*limits)
         # Output tokens per choice of the answers that ran to their own end: what a request without max_tokens expects.
-        self.output_estimate = Ewma(float(cfg.routing.default_output_estimate))
+        self.output_estimate = OutputEstimates(float(cfg.routing.default_output_estimate))
         self.check_constraints = constraints.checked_here(cfg)
         self.tool_parsers = {name: cfg.pools[name].tool_call_parser for name in pools}
         for parser in self.tool_parsers.values():
@@ -98,11 +160,15 @@ class Admission:
     async def read_json(self, request: Request) -> object:
         return (await self.read_body(request))[0]
 
-    async def read_body(self, request: Request) -> tuple[object, int]:
+    async def read_body(self, request: Request, identity: str | None = None) -> tuple[object, int]:
         """The body as JSON, and its size in bytes: more than limits.max_body_bytes is a 413 (refused from
         Content-Length before reading when declared), a body still arriving after limits.body_timeout_seconds
         a 408; both close the connection (the rest of the body is never read). JSON that nests too deeply or
-        holds a lone surrogate is a 400 (`check_tree`)."""
+        holds a lone surrogate is a 400 (`check_tree`). With `identity`, the key is charged the request and the
+        body's bytes (its prompt tokens' upper bound) before the body is decoded: a key over its limits gets its
+        429 at no parse cost, and the charge stays if the body is refused (the gateway did that work for it);
+        admit(charged=True) then settles the prompt tokens to their count. A body above SMALL_BODY_BYTES is
+        decoded on the CPU pool."""
         limits = self.cfg.limits
         limit = limits.max_body_bytes
         close = {"Connection": "close"}
@@ -124,15 +190,9 @@ class Admission:
             raise APIError(408, f"request body not received within {limits.body_timeout_seconds:g} s "
                                 f"(limits.body_timeout_seconds)", code="request_timeout", headers=close) from None
         body = b"".join(chunks)
-        try:
-            text = body.decode(json.detect_encoding(body))  # what json.loads(bytes) would decode
-            data = json.loads(text)
-        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            raise bad_request(f"malformed JSON body: {e}", code="invalid_json")
-        except RecursionError:
-            raise bad_request("the JSON body nests objects and arrays too deeply", code="invalid_json")
-        check_tree(data, text)
-        return data, size
+        if identity is not None:
+            await self.limiter.acquire(identity, size, 0)
+        return (decode(body) if size <= SMALL_BODY_BYTES else await self.off_loop(decode, body)), size
 
     # ---- checks ----------------------------------------------------------------------------------
     def resolve_model(self, name: str) -> str | None:
@@ -180,12 +240,6 @@ class Admission:
         """The configurable bounds (config `limits`) on what a parsed request holds: a 400 naming the field,
         the value and the limit, with OpenAI's codes for them."""
         lim = self.cfg.limits
-
-        def too_many(param: str, have: int, limit: int, what: str, setting: str) -> None:
-            if have > limit:
-                raise APIError(400, f"{param} has {have} {what}; the limit is {limit} (limits.{setting})",
-                               param=param, code="array_above_max_length")
-
         too_many("messages", len(getattr(req, "messages", None) or ()), lim.max_messages, "messages", "max_messages")
         too_many("tools", len(getattr(req, "tools", None) or ()), lim.max_tools, "tools", "max_tools")
         too_many("logit_bias", len(getattr(req, "logit_bias", None) or {}), lim.max_logit_bias, "entries", "max_logit_bias")
@@ -199,6 +253,42 @@ class Admission:
         n = getattr(req, "n", 1)
         if n > lim.max_n:
             raise APIError(400, f"n is {n}; the limit is {lim.max_n} (limits.max_n)", param="n", code="integer_above_max_value")
+
+    def check_sizes(self, data: object, kind: str) -> None:
+        """The bounded lists of a body, counted on the decoded body before the schema validates every item of them
+        (pydantic's one call holds the GIL throughout, wherever it runs: 1 MB of content parts, batched prompts or
+        logit_bias entries took 13 to 150 ms): messages, the content parts and tool calls of all the messages
+        (limits.max_content_parts), tools, logit_bias, stop, and a completion's batched prompts."""
+        if not isinstance(data, dict):
+            return  # parse() says what is wrong
+        lim = self.cfg.limits
+        for param, setting, what in (("messages", "max_messages", "messages"), ("tools", "max_tools", "tools"),
+                                     ("logit_bias", "max_logit_bias", "entries"), ("stop", "max_stop_sequences", "sequences")):
+            if isinstance(data.get(param), (list, dict)):
+                too_many(param, len(data[param]), getattr(lim, setting), what, setting)
+        if isinstance(data.get("messages"), list):
+            parts = sum(len(m[k]) for m in data["messages"] if isinstance(m, dict)
+                        for k in ("content", "tool_calls") if isinstance(m.get(k), list))
+            too_many("messages", parts, lim.max_content_parts, "content parts and tool calls", "max_content_parts")
+        prompt = data.get("prompt")
+        if kind != "chat" and isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+            raise bad_request(BATCHED_PROMPTS, param="prompt")
+
+    def validate(self, data: object, kind: str) -> ChatCompletionRequest | CompletionRequest:
+        """A decoded body -> the request, within the configured bounds (on the CPU pool for a large body)."""
+        self.check_sizes(data, kind)
+        req = parse(ChatCompletionRequest if kind == "chat" else CompletionRequest, data)
+        self.check_bounds(req)
+        return req
+
+    def check_priority(self, req, identity: str) -> None:
+        """A request may ask to run later than live traffic (priority above 0), never ahead of it, unless the key's
+        min_priority (keys file) lets it: lower runs first on every engine, ahead of every other tenant's requests."""
+        lowest = self.keys.min_priority(identity)
+        if req.priority < lowest:
+            raise APIError(400, f"priority {req.priority} is not allowed for this key: it must be from {lowest} to "
+                                f"{MAX_INT32} (lower runs first; an operator may allow lower with min_priority in "
+                                "the keys file)", param="priority", code="integer_below_min_value")
 
     def check_token_ids(self, req) -> None:
         """Token ids in stop_token_ids and logit_bias must be in the vocabulary (the engine fails on others)."""
@@ -218,18 +308,17 @@ class Admission:
         return ToolCalls(req, parser, self.prompter.tokenizer)
 
     # ---- admission -------------------------------------------------------------------------------
-    async def admit(self, data: object, kind: str, identity: str, size: int = 0, charge: bool = True) -> AdmittedRequest:
-        """A parsed body -> an AdmittedRequest. The checks that cost little run first; then the key is charged (the
+    async def admit(self, data: object, kind: str, identity: str, size: int = 0, charge: bool = True,
+                    charged: bool = False) -> AdmittedRequest:
+        """A decoded body -> an AdmittedRequest. The checks that cost little run first; then the key is charged (the
         request, `size` (the body's bytes, an upper bound of its prompt tokens) and the expected output) before the
         work that grows with the body (`build_prompt`) runs on the CPU pool; the prompt tokens are then settled to
-        their exact count. `charge=False` leaves the per-minute limits alone. A refusal after the charge gives the
-        output reservation back; the request and its prompt stay charged."""
-        if kind == "chat":
-            req = parse(ChatCompletionRequest, data)
-            self.check_bounds(req)
-        else:
-            req = parse(CompletionRequest, data)
-            self.check_bounds(req)
+        their exact count. `charged`: the request and its bytes were taken by read_body, before the body was
+        decoded; only the output is reserved here. `charge=False` leaves the per-minute limits alone. A refusal
+        after the charge gives the output reservation back; the request and its prompt stay charged. A body of
+        unknown size (0: the Batch API's lines) or above SMALL_BODY_BYTES is validated on the CPU pool."""
+        req = self.validate(data, kind) if 0 < size <= SMALL_BODY_BYTES else await self.off_loop(self.validate, data, kind)
+        if kind != "chat":
             if req.suffix is not None:
                 raise bad_request("suffix is not supported (no model served here is trained for fill-in-the-middle)", param="suffix")
             if req.echo and req.logprobs is not None:
@@ -237,18 +326,22 @@ class Admission:
                                   "(SwiftKV skips the later layers for prompt tokens)", param="echo")
         logprobs = req.logprobs_k()
         pinned = self.resolve_model(req.model)
+        self.check_priority(req, identity)
         self.check_token_ids(req)
         requested = req.output_limit()
-        reserved = (requested or max(1, round(self.output_estimate.value))) * req.n if charge else None  # None: not charged
-        if reserved is not None:
+        estimate = max(1, round(self.output_estimate.get(identity, req.model)))
+        reserved = (requested or estimate) * req.n if charge else None  # None: not charged
+        if reserved is not None and not charged:
             await self.limiter.acquire(identity, size, reserved)
+        elif reserved is not None and self.limiter.limits(identity).get("output_tokens"):  # else nothing left to take
+            await self.limiter.acquire(identity, 0, reserved, requests=0)
         try:
             tools, prompt_ids, echo, structured, structured_param = await self.off_loop(self.build_prompt, req, kind, pinned)
             max_tokens = self.output_tokens(len(prompt_ids), requested, "messages" if kind == "chat" else "prompt")
             if req.min_tokens > max_tokens:
                 raise bad_request(f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
             self.check_answer_size(req, max_tokens, logprobs)
-            expected = requested or max(1, min(max_tokens, round(self.output_estimate.value)))
+            expected = requested or min(max_tokens, estimate)
             if reserved is not None:
                 await self.limiter.settle(identity, size, len(prompt_ids), kind="prompt_tokens")
                 if expected * req.n < reserved:  # less room in the context than the estimate reserved

@@ -15,28 +15,31 @@ from services.common.errors import APIError
 from services.serving.backend import BackendDown, GenerateRequest, Output
 
 from . import metrics
-from .admission import AdmittedRequest
+from .admission import AdmittedRequest, OutputEstimates
 from .rate_limits import RateLimiter
-from .routing import Decision, Ewma, NoPoolAvailable, PoolState, RoutePolicy, cache_key
+from .routing import Decision, NoPoolAvailable, PoolState, RoutePolicy, cache_key
 
 log = logging.getLogger("swiftkv.gateway")
 
 
 class Dispatcher:
-    def __init__(self, pools: dict[str, PoolState], policy: RoutePolicy, limiter: RateLimiter, output_estimate: Ewma,
+    def __init__(self, pools: dict[str, PoolState], policy: RoutePolicy, limiter: RateLimiter, output_estimate: OutputEstimates,
                  set_ready: Callable[[PoolState, bool], None], retry_after: dict[str, str]):
         self.pools = pools
         self.policy = policy
         self.limiter = limiter
-        self.output_estimate = output_estimate  # admission's: answers that ran to their end update it
+        self.output_estimate = output_estimate  # admission's: answers that ran to their end update their key's
         self.set_ready = set_ready  # the pool lifecycle's: a pool found down leaves routing at once
         self.retry_after = retry_after
         self._settling: set[asyncio.Task] = set()
 
     def choose(self, admitted: AdmittedRequest) -> Decision:
         """The pool for an admitted request, on its prompt tokens and expected output (and, with cache-aware routing,
-        what each pool holds of its prompt in its prefix cache); a 503 when none is ready."""
-        blocks = self.policy.blocks(admitted.generate.prompt_token_ids)  # hashed once: the retry and the index reuse them
+        what each pool holds of its prompt in its prefix cache, of its key's own where keys' caches are apart); a 503
+        when none is ready."""
+        admitted.generate.key_salt = self.policy.key_salt(admitted.identity)  # the engines' cache_salt, and the index's
+        # hashed once: the retry and the index reuse them
+        blocks = self.policy.blocks(admitted.generate.prompt_token_ids, admitted.generate.key_salt)
         try:
             return self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, admitted.pinned, blocks)
         except NoPoolAvailable as e:
@@ -134,7 +137,7 @@ class Dispatcher:
         finally:
             end = time.perf_counter()
             if answer_ids and status != "error":
-                self.note_answer(pool, request.mode, request.prompt_token_ids, blocks, answer_ids)
+                self.note_answer(pool, request, blocks, answer_ids)
             if live:
                 pool.live_ended()
             if first_at is None:
@@ -148,7 +151,7 @@ class Dispatcher:
             if first_at is not None and per_choice > 1:
                 m.tpot.observe((end - first_at) / (per_choice - 1))
             if status == "ok" and admitted.estimate_output:
-                self.output_estimate.update(per_choice)
+                self.output_estimate.update(admitted.identity, admitted.request.model, per_choice, request.sampling.max_tokens)
             if admitted.reserved is not None:  # charge what was generated, beyond the reservation too
                 self.settle_later(admitted.identity, admitted.reserved, generated)
 
@@ -165,18 +168,18 @@ class Dispatcher:
         index.record(cache_key(pool.name, mode), blocks)
         return cached
 
-    def note_answer(self, pool: PoolState, mode: str | None, prompt_token_ids: Sequence[int], blocks: Sequence[bytes],
-                    answer_ids: Sequence[int]) -> None:
+    def note_answer(self, pool: PoolState, request: GenerateRequest, blocks: Sequence[bytes], answer_ids: Sequence[int]) -> None:
         """The blocks that prompt and answer filled, as vLLM caches them: every token but the last sampled one has
         its KV computed, so a conversation's next turn (the history, then this answer, then a new question) finds
         them in the pool (and model) that answered. Hashed on from the prompt's last full block (`blocks`, hashed at dispatch)."""
         index = self.policy.index
         if index is None:
             return
-        computed = [*prompt_token_ids, *answer_ids][:-1]
-        more = index.hashes(computed[len(blocks) * index.block_size:], parent=blocks[-1] if blocks else None)
+        computed = [*request.prompt_token_ids, *answer_ids][:-1]
+        more = index.hashes(computed[len(blocks) * index.block_size:], parent=blocks[-1] if blocks else None,
+                            salt=request.key_salt)  # the salt counts where the chain starts here (no full prompt block)
         if more:
-            index.record(cache_key(pool.name, mode), [*blocks, *more])
+            index.record(cache_key(pool.name, request.mode), [*blocks, *more])
 
     def settle_later(self, identity: str, reserved: int, generated: int) -> None:
         """Settle an output reservation in a task of its own: it completes even while the request's own task

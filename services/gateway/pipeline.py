@@ -3,14 +3,16 @@
 extensions and the server share: the config, keys, prompter, pools and the CPU pool.
 
 One public model name maps to the pools (routed by prompt/output ratio); each pool's own model name
-bypasses routing. Every response carries `x-swiftkv-route: pool=...; reason=...; ratio=...` (then `; mode=...` where a
-dual-mode pool runs the other pool's model).
+bypasses routing. Every response carries `x-swiftkv-route: pool=...` (then `; mode=...` where a dual-mode pool runs the
+other pool's model); why it went there (`reason=...; ratio=...`) goes to the logs and metrics, and into the header only
+with routing.expose_reason: a `prefix` reason would tell a client what another recently sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, nullcontext
@@ -33,6 +35,8 @@ from .render import collect, failure, json_bytes, sse_body
 from .routing import Decision, RoutePolicy
 from .schemas import check_tree
 
+log = logging.getLogger("swiftkv.gateway")
+
 
 class Gateway:
     """The pools (`lifecycle`), `admission`, `dispatch` and rendering, composed; the FastAPI app is a thin shell
@@ -50,7 +54,8 @@ class Gateway:
         # and xgrammar release the GIL). Four threads: a small request finds one free beside a few huge ones;
         # more work waits its turn (requests are bounded by limits.max_concurrent_requests).
         self.cpu = ThreadPoolExecutor(max_workers=4, thread_name_prefix="swiftkv-cpu")
-        self.policy = RoutePolicy(cfg.routing)
+        # with API keys, each key's prefix cache is its own (the Tenancy rule) unless the operator shares them
+        self.policy = RoutePolicy(cfg.routing, per_key=keys.enabled and not cfg.routing.share_prefix_cache)
         self.lifecycle = PoolLifecycle(cfg, backends, on_ready, on_down=self.policy.forget,
                                        on_cache=self.policy.adopt_engine_cache)
         self.pools = self.lifecycle.pools
@@ -82,9 +87,9 @@ class Gateway:
         return await asyncio.get_running_loop().run_in_executor(self.cpu, functools.partial(fn, *args))
 
     async def admit_and_route(self, data: object, kind: str, identity: str, size: int = 0,
-                              charge: bool = True) -> tuple[AdmittedRequest, Decision]:
+                              charge: bool = True, charged: bool = False) -> tuple[AdmittedRequest, Decision]:
         """Everything before the backend is called; raises APIError for any refusal."""
-        admitted = await self.admission.admit(data, kind, identity, size, charge)
+        admitted = await self.admission.admit(data, kind, identity, size, charge, charged)
         try:
             return admitted, self.dispatch.choose(admitted)
         except APIError:
@@ -96,8 +101,8 @@ class Gateway:
         t0 = time.perf_counter()
         try:
             identity = self.admission.identify(request)
-            data, size = await self.admission.read_body(request)
-            admitted, decision = await self.admit_and_route(data, kind, identity, size)
+            data, size = await self.admission.read_body(request, identity)  # charged before it is decoded
+            admitted, decision = await self.admit_and_route(data, kind, identity, size, charged=True)
         except APIError as e:
             count_rejection(e, "live")
             return e.response()
@@ -105,7 +110,8 @@ class Gateway:
         metrics.route_decisions.labels(decision.pool, decision.reason, "live").inc()
         metrics.for_pool(decision.pool, req.model).overhead.observe(time.perf_counter() - t0)
         stream = self.dispatch.stream(admitted, decision, t0)
-        headers = {"x-swiftkv-route": decision.header(), "x-request-id": gen.request_id}
+        log.debug("request %s routed: %s", gen.request_id, decision.header(expose_reason=True))
+        headers = {"x-swiftkv-route": decision.header(self.cfg.routing.expose_reason), "x-request-id": gen.request_id}
         if req.stream:
             # The status line goes out with the first byte: wait for the first output (or the error), so a
             # request the engine refuses gets its real 4xx/5xx instead of a 200 with an error event.
@@ -134,7 +140,7 @@ class Gateway:
                           first_token: Callable[[], None] | None = None) -> tuple[int, dict]:
         """Serve one already-parsed, non-streamed request body without HTTP (the Batch API's lines): the same
         validation, token counting, routing, backends and metrics (labelled `source`) as live traffic, at
-        the engine priority given, charged to the key's per-minute limits (a 429 when over them, which the
+        the engine priority given (or the body's own, if later), charged to the key's per-minute limits (a 429 when over them, which the
         caller waits out). `slot(decision)` is entered once the route is decided and held while the engine
         works (the caller's bound on its own requests per pool); it may move the request to another pool: the
         decision it yields is the one served and counted. `first_token()` is called, in the calling task,
@@ -147,7 +153,7 @@ class Gateway:
         except APIError as e:
             count_rejection(e, source)
             return e.status, e.body()
-        admitted.generate.priority = priority
+        admitted.generate.priority = max(priority, admitted.generate.priority)  # never ahead of the caller's (batch's)
         async with slot(decision) if slot is not None else nullcontext(decision) as decision:
             metrics.route_decisions.labels(decision.pool, decision.reason, source).inc()
             stream = self.dispatch.stream(admitted, decision, time.perf_counter(), source)

@@ -41,24 +41,33 @@ class RateLimiter:
     def __init__(self, requests_per_minute: int | None, prompt_tokens_per_minute: int | None,
                  output_tokens_per_minute: int | None, per_key: dict[str, dict[str, int]] | None = None):
         self.defaults = dict(zip(self.KINDS, (requests_per_minute, prompt_tokens_per_minute, output_tokens_per_minute)))
-        self.per_key = {d: {k.removesuffix("_per_minute"): v for k, v in o.items()} for d, o in (per_key or {}).items()}
+        self.per_key = {d: {k.removesuffix("_per_minute"): v for k, v in o.items() if k.endswith("_per_minute")}
+                        for d, o in (per_key or {}).items()}  # a key's other settings (min_priority) are not limits
         self.buckets: dict[str, dict[str, Bucket]] = {}
 
     def limits(self, identity: str) -> dict[str, int | None]:
         return self.defaults | self.per_key.get(identity, {})
 
     # Async like the Redis limiter's, so callers await either.
-    async def acquire(self, identity: str, prompt_tokens: int, output_tokens: int) -> None:
-        self._take(identity, prompt_tokens, output_tokens)
+    async def acquire(self, identity: str, prompt_tokens: int, output_tokens: int, requests: int = 1) -> None:
+        """Take the amounts, or refuse (a 429 with the longest wait) and take nothing. `requests=0`: a request
+        already counted (its body charged before it was parsed) takes its output reservation."""
+        self._take(identity, prompt_tokens, output_tokens, requests)
 
-    def _take(self, identity: str, prompt_tokens: int, output_tokens: int) -> None:
-        now = time.monotonic()
+    def _buckets(self, identity: str) -> dict[str, Bucket]:
+        """The key's buckets, made full on first use. Never dropped: a debt stays until it is repaid."""
         buckets = self.buckets.get(identity)
         if buckets is None:
+            now = time.monotonic()
             buckets = self.buckets[identity] = {k: Bucket(v, v, now) for k, v in self.limits(identity).items() if v}
+        return buckets
+
+    def _take(self, identity: str, prompt_tokens: int, output_tokens: int, requests: int = 1) -> None:
+        buckets = self._buckets(identity)
         if not buckets:
             return
-        need = {"requests": 1, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
+        now = time.monotonic()  # not before the buckets' own stamp
+        need = {"requests": requests, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
         waits = {}
         for kind, bucket in buckets.items():
             bucket.refill(now)
@@ -78,7 +87,7 @@ class RateLimiter:
         self._charge(identity, output_tokens)
 
     def _charge(self, identity: str, output_tokens: int) -> None:
-        bucket = self.buckets.get(identity, {}).get("output_tokens")
+        bucket = self._buckets(identity).get("output_tokens")
         if bucket is not None:
             bucket.level -= min(output_tokens, bucket.capacity)
 
@@ -90,14 +99,16 @@ class RateLimiter:
         self._settle(identity, reserved, actual, kind)
 
     def _settle(self, identity: str, reserved: int, actual: int, kind: str) -> None:
-        bucket = self.buckets.get(identity, {}).get(kind)
+        # made here if need be: a request admitted through Redis may end after Redis went away
+        bucket = self._buckets(identity).get(kind)
         if bucket is not None:
             taken = min(reserved, bucket.capacity)  # what acquire() took
             bucket.level = min(bucket.capacity, bucket.level + taken - actual)
 
 
 # Refill every bucket of a key from Redis' own clock, then (take) refuse with the longest wait or take all
-# amounts at once, or (adjust) add signed amounts; one script, so concurrent gateways never interleave.
+# amounts at once, or (adjust) add signed amounts; one script, so concurrent gateways never interleave. A bucket
+# expires only once it would be full again.
 # KEYS: the key's buckets; ARGV: mode, count, then capacity and amount per bucket. -> {index of the bucket
 # that refused (1-based, 0 if none), its wait in seconds as a string}.
 _BUCKETS_LUA = """
@@ -128,7 +139,8 @@ for i = 1, n do
   local level
   if ARGV[1] == 'take' then level = levels[i] - math.min(amt, cap) else level = math.min(cap, levels[i] + amt) end
   redis.call('HSET', KEYS[i], 'level', tostring(level), 'stamp', tostring(now))
-  redis.call('EXPIRE', KEYS[i], 120)
+  -- kept until it has refilled to full (a missing bucket reads as full), debt included, plus a margin
+  redis.call('EXPIRE', KEYS[i], math.max(120, math.ceil((cap - level) * 60.0 / cap) + 60))
 end
 return {0, '0'}
 """
@@ -195,12 +207,12 @@ class RedisRateLimiter(RateLimiter):
         self.metric.set(1)
         return int(out[0]), float(out[1]), kinds
 
-    async def acquire(self, identity: str, prompt_tokens: int, output_tokens: int) -> None:
+    async def acquire(self, identity: str, prompt_tokens: int, output_tokens: int, requests: int = 1) -> None:
         res = None
         if self._shared():
-            res = await self._run(identity, "take", {"requests": 1, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens})
+            res = await self._run(identity, "take", {"requests": requests, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens})
         if res is None:
-            return self._take(identity, prompt_tokens, output_tokens)
+            return self._take(identity, prompt_tokens, output_tokens, requests)
         if res[0] == 0:
             return
         refused, wait, kinds = res

@@ -27,8 +27,13 @@ that pool's model. The prefix override may also switch the model on a dual-mode 
 (a conversation's history answered by the base model keeps its next turn there). The two models' prefix-cache blocks are never shared, so the index keys a pool's blocks by the
 model too (`cache_key`: the pool's name for its own model, `base+swiftkv` for the SwiftKV model on the base pool).
 
-Reasons (a small fixed set, used as a metric label and in the `x-swiftkv-route` header, `pool=...; reason=...;
-ratio=...`, then `; mode=...` where the model is not the pool's own):
+With API keys, each key's prefix cache is its own unless `routing.share_prefix_cache`: its requests carry vLLM's
+`cache_salt` (`key_salt`, a digest of the key) and the index hashes their blocks with it, so a prompt another key sent
+is neither found cached nor routed to (which would tell that key what the other sent, and where).
+
+Reasons (a small fixed set, used as a metric label and in the logs; in the `x-swiftkv-route` header only with
+`routing.expose_reason`, `pool=...; reason=...; ratio=...`, else `pool=...`, then `; mode=...` where the model is not
+the pool's own):
   ratio      the prompt/output ratio chose the pool
   backlog    the ratio's pool holds more predicted work than the other by more than the margin
   prefix     the other pool holds more of the prompt in its prefix cache and predicts less work for it
@@ -41,6 +46,7 @@ ratio=...`, then `; mode=...` where the model is not the pool's own):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -160,9 +166,11 @@ class Decision:
         if self.mode is None:
             object.__setattr__(self, "mode", self.pool)
 
-    def header(self) -> str:
-        own = self.mode == self.pool
-        return f"pool={self.pool}; reason={self.reason}; ratio={self.ratio:.2f}" + ("" if own else f"; mode={self.mode}")
+    def header(self, expose_reason: bool = False) -> str:
+        """The `x-swiftkv-route` header: why it was routed (the reason and ratio) only where the operator exposes it, since
+        a `prefix` reason tells a client what another recently sent."""
+        why = f"; reason={self.reason}; ratio={self.ratio:.2f}" if expose_reason else ""
+        return f"pool={self.pool}{why}" + ("" if self.mode == self.pool else f"; mode={self.mode}")
 
 
 class NoPoolAvailable(Exception):
@@ -170,8 +178,9 @@ class NoPoolAvailable(Exception):
 
 
 class RoutePolicy:
-    def __init__(self, cfg: RoutingConfig, index: PrefixIndex | None = None):
+    def __init__(self, cfg: RoutingConfig, index: PrefixIndex | None = None, per_key: bool = False):
         self.cfg = cfg
+        self.per_key = per_key  # each API key's prefix cache apart (keys configured, routing.share_prefix_cache off)
         # what each pool holds in its prefix cache: None unless routing is cache-aware
         if index is None and cfg.cache_aware:
             block_size = cfg.prefix_block_size or DEFAULT_BLOCK_SIZE
@@ -193,9 +202,15 @@ class RoutePolicy:
             for mode in POOL_NAMES:  # a dual-mode engine's blocks of either model share its cache
                 self.index.set_capacity(cache_key(name, mode), tokens // self.index.block_size)
 
-    def blocks(self, prompt_token_ids: Sequence[int]) -> tuple[bytes, ...]:
-        """The prompt's block hashes when routing is cache-aware (else none: nothing to hash)."""
-        return () if self.index is None else tuple(self.index.hashes(prompt_token_ids))
+    def key_salt(self, identity: str) -> str | None:
+        """The prefix-cache salt of a key's requests (per_key, else None): a digest of its identity, never the key, nor
+        the digest that names the key elsewhere."""
+        return hashlib.sha256(f"swiftkv-cache-salt:{identity}".encode()).hexdigest()[:16] if self.per_key else None
+
+    def blocks(self, prompt_token_ids: Sequence[int], salt: str | None = None) -> tuple[bytes, ...]:
+        """The prompt's block hashes, salted with its key's `salt`, when routing is cache-aware (else none: nothing to
+        hash)."""
+        return () if self.index is None else tuple(self.index.hashes(prompt_token_ids, salt=salt))
 
     def forget(self, pool: str) -> None:
         """The pool went down: whatever it held in its prefix cache is gone."""

@@ -195,7 +195,9 @@ class Sampling(Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # entries: limits.max_logit_bias
-    priority: int = Field(0, ge=-(2**31), le=MAX_INT32)  # lower runs first (engines with scheduling_policy=priority)
+    # lower runs first (engines with scheduling_policy=priority); below the key's min_priority (0 unless the keys file
+    # says less) admission refuses: no tenant jumps the others' queue
+    priority: int = Field(0, ge=-(2**31), le=MAX_INT32)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     best_of: None = None  # vLLM's engine (v1) has no best_of: only null is accepted

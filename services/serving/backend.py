@@ -51,6 +51,9 @@ class GenerateRequest:
     priority: int = 0  # vLLM's: lower is scheduled first (engines with scheduling_policy=priority; FCFS ignores it)
     # the model a dual-mode engine runs it as, "swiftkv" or "base" (swiftkv_core/dual_mode.py); None: the engine's own model
     mode: str | None = None
+    # a digest of the request's API key that keeps its prefix-cache blocks apart from other keys' (vLLM's cache_salt,
+    # joined to the mode's: swiftkv_core/dual_mode.py); None: shared (one tenant, or routing.share_prefix_cache)
+    key_salt: str | None = None
 
 
 @dataclass

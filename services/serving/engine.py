@@ -107,10 +107,11 @@ def to_sampling_params(options: SamplingOptions):
 
 def engine_inputs(request: GenerateRequest) -> tuple[dict, Any]:
     """The prompt and SamplingParams `AsyncLLM.generate` takes for `request`: a dual-mode engine's base-mode request
-    carries the mode in its extra_args and its prefix-cache salt in the prompt (swiftkv_core/dual_mode.py)."""
+    carries the mode in its extra_args; the prompt carries the prefix-cache salt of its mode and its key
+    (swiftkv_core/dual_mode.py)."""
     params = to_sampling_params(request.sampling)
     params.extra_args = extra_args(request.mode)
-    return with_cache_salt({"prompt_token_ids": request.prompt_token_ids}, request.mode), params
+    return with_cache_salt({"prompt_token_ids": request.prompt_token_ids}, request.mode, request.key_salt), params
 
 
 def _logprobs(token_ids, entries, k: int) -> list[TokenLogprob]:

@@ -62,15 +62,16 @@ def remote_pool(name: str, pool: PoolConfig, cfg: PlatformConfig) -> Backend:
     model = pool.served_model_name or pool.model
     events = pool.kv_event_endpoints if cfg.routing.kv_events else []
     events += [None] * (len(pool.urls) - len(events))
+    api_key = pool.remote_api_key(name)
     if len(pool.urls) == 1:
-        return RemoteBackend(name, pool.urls[0], model, pool.api_key, kv_events=events[0])
+        return RemoteBackend(name, pool.urls[0], model, api_key, kv_events=events[0])
     from urllib.parse import urlsplit
 
     from services.config import DEFAULT_BLOCK_SIZE
 
     from .replicas import ReplicaChooser, ReplicaSet
 
-    replicas = {urlsplit(url).netloc or url: RemoteBackend(name, url, model, pool.api_key, kv_events=e) for url, e in zip(pool.urls, events)}
+    replicas = {urlsplit(url).netloc or url: RemoteBackend(name, url, model, api_key, kv_events=e) for url, e in zip(pool.urls, events)}
     r = cfg.routing
     chooser = ReplicaChooser(list(replicas), r.prefix_block_size or DEFAULT_BLOCK_SIZE, r.prefix_min_distinct_tokens,
                              r.balance_margin_tokens, r.decode_token_cost)

@@ -33,7 +33,7 @@ def rank(candidates: list, pending_request, block_size: int, min_distinct_tokens
     moved last; without a distinctive prefix (or a request the router cannot read), one rank of all of them."""
     request = pending_request.args[0] if pending_request is not None and pending_request.args else None
     tokens = getattr(request, "prompt_token_ids", None)
-    key = None if tokens is None else prefix_key(tokens, block_size, min_distinct_tokens)
+    key = None if tokens is None else prefix_key(tokens, block_size, min_distinct_tokens, getattr(request, "key_salt", None))
     if key is None or len(candidates) < 2:
         return [list(candidates)]
     by_id = {replica.replica_id.unique_id: replica for replica in candidates}

@@ -5,7 +5,8 @@ re-applies a chat template and the gateway's token counts stay exact. Generated 
 server's own usage figures (`stream_options.include_usage`; per chunk with vLLM's `continuous_usage_stats`),
 not from the number of chunks: a chunk may carry several tokens, or none. The server's errors reach the
 client with their status and message, in OpenAI's envelope. A base-mode request to a dual-mode server (a pool's
-`dual_mode`) carries vLLM's `vllm_xargs` and `cache_salt` (swiftkv_core/dual_mode.py).
+`dual_mode`) carries vLLM's `vllm_xargs`, and a request of a base mode or of an API key whose prefix cache is kept
+apart carries vLLM's `cache_salt` (swiftkv_core/dual_mode.py).
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ def request_fields(sampling: SamplingOptions) -> dict:
     return body
 
 
-def mode_fields(mode: str | None) -> dict:
-    """What asks a dual-mode vLLM server for `mode` (swiftkv_core/dual_mode.py): a base-mode request's `vllm_xargs`
-    and prefix-cache salt; nothing otherwise, so other servers never see the fields."""
-    xargs, salt = extra_args(mode), cache_salt(mode)
+def mode_fields(mode: str | None, key_salt: str | None = None) -> dict:
+    """What asks a dual-mode vLLM server for `mode` (swiftkv_core/dual_mode.py), a base-mode request's `vllm_xargs`, and
+    the prefix-cache salt of the mode and the key; nothing otherwise, so other servers never see the fields."""
+    xargs, salt = extra_args(mode), cache_salt(mode, key_salt)
     return ({"vllm_xargs": xargs} if xargs else {}) | ({"cache_salt": salt} if salt is not None else {})
 
 
@@ -92,7 +93,7 @@ class RemoteBackend:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Output]:
         body = {"model": self.model, "prompt": request.prompt_token_ids, "stream": True} | request_fields(request.sampling)
-        body |= mode_fields(request.mode)
+        body |= mode_fields(request.mode, request.key_salt)
         body["stream_options"] = {"include_usage": True} | ({"continuous_usage_stats": True} if self.continuous_usage else {})
         counted: dict[int, int] = {}  # tokens per choice passed on so far
         held: Output | None = None  # without per-chunk usage, the latest output waits for the final usage chunk

@@ -35,13 +35,14 @@ replica_choices = Counter("swiftkv_replica_choices", "Replicas chosen inside a p
                           ("pool", "replica", "reason"))
 
 
-def prefix_key(prompt_token_ids: Sequence[int], block_size: int, min_distinct_tokens: int) -> bytes | None:
+def prefix_key(prompt_token_ids: Sequence[int], block_size: int, min_distinct_tokens: int, salt: str | None = None) -> bytes | None:
     """The hash of the prefix-cache block that ends past the first min_distinct_tokens tokens (the prompt's distinctive
-    prefix); None for a prompt too short to have one."""
+    prefix), salted as the engine caches it (an API key's own cache: its copy of a prefix has a replica of its own);
+    None for a prompt too short to have one."""
     blocks = min_distinct_tokens // block_size + 1
     if len(prompt_token_ids) < blocks * block_size:
         return None
-    return block_hashes(prompt_token_ids[: blocks * block_size], block_size)[-1]
+    return block_hashes(prompt_token_ids[: blocks * block_size], block_size, salt=salt)[-1]
 
 
 def rendezvous(key: bytes, replicas: Sequence[str]) -> list[str]:
@@ -63,8 +64,8 @@ class ReplicaChooser:
         self.up = dict.fromkeys(self.replicas, True)
         self._turn = itertools.count()
 
-    def key(self, prompt_token_ids: Sequence[int]) -> bytes | None:
-        return prefix_key(prompt_token_ids, self.block_size, self.min_distinct_tokens)
+    def key(self, prompt_token_ids: Sequence[int], salt: str | None = None) -> bytes | None:
+        return prefix_key(prompt_token_ids, self.block_size, self.min_distinct_tokens, salt)
 
     def cost(self, request: GenerateRequest) -> float:
         return len(request.prompt_token_ids) + self.decode_token_cost * request.sampling.max_tokens * max(request.sampling.n, 1)
@@ -75,7 +76,7 @@ class ReplicaChooser:
         if not live:
             raise BackendDown("no replica is up")
         least = min(self.work[r] for r in live)
-        key = self.key(request.prompt_token_ids)
+        key = self.key(request.prompt_token_ids, request.key_salt)
         if key is None:
             # least loaded; among equals, in turn (a quiet pool still spreads its short requests)
             tied = [r for r in live if self.work[r] == least]

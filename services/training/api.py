@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,12 +25,14 @@ from services.common.errors import APIError, bad_request, not_found
 from services.common.files import file_object
 from services.common.ids import ID, new_id
 from services.common.pagination import cursor, int_param, only_query, page
-from services.common.uploads import receive_upload
+from services.common.uploads import jsonl_lines, receive_upload
 from services.common.validation import check_metadata
 from swiftkv_core.config import SwiftKVConfigError
 
 from .hyperparameters import DistillationHyperparameters, HyperparameterError
 from .metrics import jobs_finished
+
+log = logging.getLogger("swiftkv.training")
 
 JOB_FIELDS = {"model", "training_file", "validation_file", "method", "suffix", "seed", "metadata", "hyperparameters", "integrations"}
 
@@ -59,11 +62,15 @@ def checkpoint_object(c: dict) -> dict:
             "metrics": c["metrics"] or {}, "step_number": c["step_number"]}
 
 
-def check_records(path: Path, param: str) -> int:
-    """Lines of OpenAI's chat format ({"messages": [...]}) or {"text": ...}; returns how many, else a 400."""
+def check_records(path: Path, param: str, max_line_bytes: int) -> int:
+    """Lines of OpenAI's chat format ({"messages": [...]}) or {"text": ...}; returns how many, else a 400. One line
+    is held at a time, at most max_line_bytes of it (the rest of a longer line is skipped unread)."""
     n = 0
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
+        for number, _, raw in jsonl_lines(f, max_line_bytes):  # the Batch API's reader
+            if raw is None:
+                raise bad_request(f"line {number} of the file has more than {max_line_bytes} bytes; a line is limited to "
+                                  f"{max_line_bytes} bytes (max_line_bytes)", param=param, code="invalid_file_format")
             if not raw.strip():
                 continue
             try:
@@ -107,16 +114,50 @@ def model_source(name: str, models_dir: Path, allowed: list[str]) -> tuple[str, 
             return "local", candidate
     if HUB_ID.fullmatch(name) and any(fnmatch.fnmatchcase(name, pattern) for pattern in allowed):
         return "hub", name
-    local = sorted(p.parent.name for p in root.glob("*/config.json") if not p.parent.name.startswith(".")) if root.is_dir() else []
+    # The models directory is not listed: it holds other keys' fine-tuned models too.
     raise bad_request(
-        f"model {name!r} cannot be distilled here: name a model folder in the models directory ({', '.join(local[:20]) or 'none yet'}), "
-        f"a model `swiftkv models prepare` builds ({', '.join(catalog.REGISTRY)}) or a hub id the operator allowed "
-        f"(allowed_models: {', '.join(allowed) or 'none'}); other folders on the server are not accepted",
-        param="model", code="model_not_found")
+        f"model {name!r} cannot be distilled here: name a model `swiftkv models prepare` builds ({', '.join(catalog.REGISTRY)}), "
+        f"a hub id the operator allowed (allowed_models: {', '.join(allowed) or 'none'}) or a base model the operator placed "
+        "in the trainer's models directory (ask the operator for its name)", param="model", code="model_not_found")
 
 
-def fetch_model(source: tuple[str, str | Path], models_dir: Path) -> tuple[Path, dict]:
-    """The model folder (prepared or downloaded now if need be) and its config.json; 400 when it is not a base Llama."""
+# What a job needs of a hub repository: config, tokenizer, safetensors weights (not .bin/.pth copies, not originals).
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
+
+
+def hub_listing(name: str) -> tuple[str, dict[str, int]]:
+    """The hub's current revision of a model repository and the size of each of its files: the one call made to the
+    hub before a download."""
+    from huggingface_hub import HfApi
+
+    info = HfApi().model_info(name, files_metadata=True)
+    return info.sha, {s.rfilename: s.size or 0 for s in info.siblings or []}
+
+
+def download(name: str, max_bytes: int) -> Path:
+    """An allowed hub model's folder: only HUB_FILES, of the revision whose size was checked, and only when they
+    come to at most max_bytes (a pattern in allowed_models may match repositories of any size)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import filter_repo_objects
+
+    revision, sizes = hub_listing(name)
+    wanted = list(filter_repo_objects(sizes, allow_patterns=HUB_FILES))  # the files snapshot_download will fetch
+    if not any(f.endswith(".safetensors") for f in wanted):
+        raise bad_request(f"model {name} has no safetensors weights on the hub; only safetensors checkpoints are downloaded",
+                          param="model", code="model_not_supported")
+    total = sum(sizes[f] for f in wanted)
+    if total > max_bytes:
+        raise bad_request(f"model {name} is {total} bytes ({total / 2**30:.1f} GiB) of weights, config and tokenizer on the "
+                          f"hub; this trainer downloads at most {max_bytes} bytes (max_model_bytes)", param="model",
+                          code="model_too_large")
+    return Path(snapshot_download(name, revision=revision, allow_patterns=HUB_FILES))
+
+
+def fetch_model(source: tuple[str, str | Path], models_dir: Path, max_model_bytes: int) -> tuple[Path, dict]:
+    """The model folder (prepared or downloaded now if need be) and its config.json; 400 when it is not a base Llama.
+    A failure to prepare or download is said in a sentence; its details (paths, URLs) go to the server's log only."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
     from swiftkv_core import catalog
 
     kind, name = source
@@ -125,12 +166,17 @@ def fetch_model(source: tuple[str, str | Path], models_dir: Path) -> tuple[Path,
         if kind == "registered":
             folder = catalog.prepare(name, models_dir)
         elif kind == "hub":
-            from huggingface_hub import snapshot_download
-
-            folder = Path(snapshot_download(name))
-    except Exception as e:
-        raise bad_request(f"model {name} cannot be {'prepared' if kind == 'registered' else 'downloaded'}: "
-                          f"{type(e).__name__}: {str(e)[:300]}", param="model", code="model_not_found")
+            folder = download(name, max_model_bytes)
+    except APIError:
+        raise
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError):
+        raise bad_request(f"model {name} is not on the hub, or it is gated or private to this trainer's hub token", param="model",
+                          code="model_not_found")
+    except Exception:
+        log.exception("model %s could not be %s", name, "prepared" if kind == "registered" else "downloaded")
+        where = "prepared on the server" if kind == "registered" else "downloaded from the hub"
+        raise APIError(503, f"model {name} could not be {where} just now; try again later (the operator's log has the "
+                       "cause)", "server_error", param="model", code="unavailable")
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError, RecursionError):
@@ -191,9 +237,9 @@ def build_router(service) -> APIRouter:
     async def db(fn, *args, **kwargs):
         try:
             return await service.io(fn, *args, **kwargs)
-        except OperationalError as e:
-            raise APIError(503, f"the job store is unavailable: {type(e.orig).__name__ if e.orig else e}; try again shortly",
-                           "server_error", code="unavailable")
+        except OperationalError:
+            log.warning("the job store is unavailable", exc_info=True)  # the details (host, SQL) for the operator only
+            raise APIError(503, "the job store is unavailable; try again shortly", "server_error", code="unavailable")
 
     async def body_of(request: Request) -> dict:
         """The request's JSON object. Past max_body_bytes a 413, before the rest is read (from Content-Length when
@@ -251,7 +297,8 @@ def build_router(service) -> APIRouter:
             raise bad_request(f"no such file: {file_id[:64]}", param=param, code="file_not_found")
         if f["purpose"] != "fine-tune":
             raise bad_request(f"{file_id} was uploaded with purpose '{f['purpose']}'; a job needs purpose 'fine-tune'", param=param)
-        await db(check_records, files.path(file_id), param)
+        # on threads of their own: two big files being read do not hold the threads every store call needs
+        await service.file_io(check_records, files.path(file_id), param, settings.max_line_bytes)
         return files.path(file_id)
 
     @router.post("/v1/fine_tuning/jobs")
@@ -280,7 +327,7 @@ def build_router(service) -> APIRouter:
         valid = await input_file(who, body["validation_file"], "validation_file") if body.get("validation_file") else None
         # Only a request valid in every other respect prepares or downloads its model, on a thread of its own (it may
         # take minutes), so the store's threads keep serving.
-        folder, config = await asyncio.to_thread(fetch_model, source, Path(settings.models_dir))
+        folder, config = await asyncio.to_thread(fetch_model, source, Path(settings.models_dir), settings.max_model_bytes)
         method = check_layout(hyperparameters, config["num_hidden_layers"])
         job_id = new_id("ftjob-")
         record = {"id": job_id, "owner": who, "model": model, "training_file": body["training_file"],
@@ -289,7 +336,7 @@ def build_router(service) -> APIRouter:
                   "created_at": int(time.time()), "attempts": 0, "trained_tokens": 0}
         run_dir = service.worker.run_dir(job_id)
         try:
-            await service.io(service.prepare_run, run_dir, folder, method, record["seed"], train, valid)
+            await service.file_io(service.prepare_run, run_dir, folder, method, record["seed"], train, valid)
             await db(store.add_job, record)
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -86,8 +86,13 @@ class LocalJobBackend:
                 self.children.pop(pid).wait()
 
     def log_tail(self, ref: str, run_dir: Path, attempt: int) -> str:
+        """The log's last 2000 bytes, read from there (a job may have written gigabytes)."""
         path = run_dir / f"attempt-{attempt}.log"
-        return path.read_text(errors="replace")[-2000:] if path.exists() else ""
+        if not path.exists():
+            return ""
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 2000))
+            return f.read().decode(errors="replace")
 
 
 class RayJobBackend:

@@ -5,6 +5,7 @@ running one job at a time."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -57,6 +58,11 @@ class TrainerSettings(BaseSettings):
                                     "as a Ray job, with data_dir on storage the workers share; default: a child process here")
     ray_num_gpus: float = Field(0, description="GPUs each Ray job asks for (0: none; ray_address only)")
     max_file_bytes: int = Field(512 << 20, description="largest uploaded file, in bytes; more is a 413")
+    max_line_bytes: int = Field(1_000_000, ge=1024, description="one line (record) of a training or validation file, like the "
+                                "Batch API's batch.max_line_bytes; a job naming a file with a longer line is a 400 naming the line")
+    max_model_bytes: int = Field(16 << 30, ge=0, description="largest hub model a job may download (its safetensors weights, "
+                                 "config and tokenizer files, as the hub lists them); a bigger one is a 400. 16 GiB: an 8B "
+                                 "model in bf16, within the chart's 20Gi models volume")
     checkpoint_every: int = Field(50, description="steps between resumable checkpoints")
     events_every: int = Field(10, description="steps between metrics events of a job")
     eval_max_tokens: int = Field(16384, description="packed tokens of the final evaluation (0: no evaluation)")
@@ -75,6 +81,12 @@ class TrainerSettings(BaseSettings):
         return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
 
 
+def copy_records(source: Path, target: Path, start: int = 0, stop: int | None = None) -> None:
+    """The non-blank lines start..stop of a JSONL file, a line at a time (check_records bounded each line)."""
+    with open(source, "rb") as f, open(target, "wb") as out:
+        out.writelines(itertools.islice((line.rstrip(b"\r\n") + b"\n" for line in f if line.strip()), start, stop))
+
+
 class TrainerService:
     def __init__(self, settings: TrainerSettings):
         self.settings = settings
@@ -86,6 +98,7 @@ class TrainerService:
         self.store = TrainingStore(settings.database_url or f"sqlite:///{data_dir / 'swiftkv.db'}")
         self.files = FileStore(data_dir / "files")
         self.io = Threads(2, "swiftkv-training")
+        self.file_io = Threads(2, "swiftkv-training-files")  # reading and copying big files, beside the store's calls
         backend = RayJobBackend(settings.ray_address, num_gpus=settings.ray_num_gpus) if settings.ray_address else LocalJobBackend()
         self.worker = Worker(self.store, self.files, settings, backend)
         self.wake = asyncio.Event()
@@ -95,15 +108,15 @@ class TrainerService:
         """The run folder holds everything the job process needs: the settings, its data and (later) its state."""
         hp = method["distillation"]["hyperparameters"]
         run_dir.mkdir(parents=True)
-        lines = [ln for ln in train.read_bytes().splitlines() if ln.strip()]
         if valid is not None:
             shutil.copyfile(valid, run_dir / "eval.jsonl")
-            train_lines = lines
+            copy_records(train, run_dir / "train.jsonl")
         else:  # a held-out tenth when there is enough data, else the training records themselves
-            held = len(lines) // 10 if len(lines) >= 10 else 0
-            train_lines = lines[: len(lines) - held]
-            (run_dir / "eval.jsonl").write_bytes(b"\n".join(lines[len(lines) - held:] if held else lines) + b"\n")
-        (run_dir / "train.jsonl").write_bytes(b"\n".join(train_lines) + b"\n")
+            with open(train, "rb") as f:
+                n = sum(1 for line in f if line.strip())
+            held = n // 10 if n >= 10 else 0
+            copy_records(train, run_dir / "train.jsonl", 0, n - held)
+            copy_records(train, run_dir / "eval.jsonl", n - held if held else 0)
         s = self.settings
         spec = {
             "distill": {"base": str(base), "out": str(run_dir / "out"), "data": str(run_dir / "train.jsonl"),
@@ -139,6 +152,7 @@ class TrainerService:
                 await self._task
             await self.io(self.worker.shutdown, self.settings.stop_timeout_seconds)
         self.io.close()
+        self.file_io.close()
         self.store.close()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import time
 from pathlib import Path
@@ -44,6 +45,21 @@ def read_result(path: Path) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{path.name} is not a JSON object")
     return value
+
+
+SERVER_PATH = re.compile(r"(?<![\w.])'?(/[^\s'\":]*[^\s'\":.,;)])'?(?::(\d+))?")  # '/a/b.jsonl':3
+
+
+def public_message(message: str, run_dir: Path) -> str:
+    """A job process's error as the job's key may read it: the run folder's data files named by what they hold,
+    any other server path hidden (the whole message stays in the server's log)."""
+    names = {str(run_dir / "train.jsonl"): "the training data", str(run_dir / "eval.jsonl"): "the evaluation data"}
+
+    def say(m: re.Match) -> str:
+        what = names.get(m[1], "a file on the server")
+        return f"{what}, line {m[2]}" if m[2] else what
+
+    return SERVER_PATH.sub(say, message)
 
 
 class Worker:
@@ -105,8 +121,11 @@ class Worker:
             self._start(job, run_dir)
         else:
             tail = self.backend.log_tail(job["runner_ref"], run_dir, job["attempts"])
+            log.error("job %s: the training process exited with code %s; its log ends:\n%s", job["id"], rc, tail)
+            # the job's own "error: " line says what was wrong; a traceback (paths, code) stays in the server's log
             lines = [ln for ln in tail.splitlines() if ln.startswith("error: ")]
-            message = lines[-1][7:] if lines else f"the training process exited with code {rc}: {tail[-500:]}"
+            message = (public_message(lines[-1][7:], run_dir) if lines else
+                       f"the training process exited with code {rc}; the operator's log has its output")
             self._fail(job, "training_failed", message)
 
     def _start(self, job: dict, run_dir: Path) -> None:
@@ -195,6 +214,7 @@ class Worker:
             self.store.add_event(job["id"], "Evaluation against the teacher: " + ", ".join(
                 f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items()), figures, type="metrics")
         # The result file: the evaluation and the run summary, like OpenAI's step-metrics CSV but as JSON.
+        summary.pop("teacher_cache", None)  # a path on the server
         result_id = f"file-result-{job['id']}"
         body = json.dumps({"evaluation": result, "summary": summary, "metrics": read_metrics(run_dir)}).encode()
         size = self.files.write_lines(result_id, [body])
@@ -222,7 +242,7 @@ class Worker:
         if self.store.update_job(job["id"], ("running",), status="succeeded", finished_at=int(time.time()), fine_tuned_model=name,
                                  result_files=[result_id], runner_ref=None, trained_tokens=summary.get("tokens")):
             jobs_finished.labels("succeeded").inc()
-        self.store.add_event(job["id"], f"New fine-tuned model created: {name}", {"path": str(target.resolve())})
+        self.store.add_event(job["id"], f"New fine-tuned model created: {name}")  # its folder is the server's business
         self.store.add_event(job["id"], "The job has successfully completed")
 
     @staticmethod

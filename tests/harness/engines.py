@@ -46,7 +46,8 @@ def platform_config(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> dict:
             "swiftkv": {"model": str(swiftkv), "engine_args": engine_args(scheduling_policy="priority", max_num_seqs=1)},
             "base": {"model": str(tiny_base), "engine_args": engine_args(scheduling_policy="priority"), "tool_call_parser": "hermes"},
         },
-        "routing": {"ratio_threshold": 4.0, "kv_events": True},  # the index follows the engines' KV-cache events
+        # the index follows the engines' KV-cache events; the route's reason in the header, which the tests read
+        "routing": {"ratio_threshold": 4.0, "kv_events": True, "expose_reason": True},
         "limits": {"max_body_bytes": 200_000},
         # a health check slower than a request: requests meet a dead engine before the watcher takes its pool out
         "health": {"period_seconds": 3.0, "shutdown_grace_seconds": 30.0},
@@ -56,7 +57,7 @@ def platform_config(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> dict:
 
 def launch_platform(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> Server:
     """The shared platform at the default log level, started (not yet ready: `platform_ready`)."""
-    (work / "keys").write_text(f"{KEY}\n")
+    (work / "keys").write_text(f"{KEY} min_priority=-10\n")  # trusted: test_openai_compat sends priorities below 0
     (work / "env-keys").write_text(f"{ENV_ONLY_KEY}\n")
     server = swiftkv_serve(work, platform_config(tiny_base, tiny_swiftkv, work), "--engine", "inprocess",
                            "--api-keys-file", str(work / "keys"),

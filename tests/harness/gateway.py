@@ -28,9 +28,12 @@ def pool_config(tiny_base: Path, max_model_len: int = 512, **fields) -> dict:
 
 
 def platform_config(tiny_base: Path, pools=("swiftkv", "base"), max_model_len: int = 512, **fields) -> PlatformConfig:
-    """A platform over the tiny checkpoint's tokenizer: its pools (names, or name -> pool fields), the rest as given."""
+    """A platform over the tiny checkpoint's tokenizer: its pools (names, or name -> pool fields), the rest as given;
+    the route's reason in the x-swiftkv-route header (routing.expose_reason), which the tests read, unless `routing` says
+    otherwise."""
     if not isinstance(pools, dict):
         pools = {name: {} for name in pools}
+    fields["routing"] = {"expose_reason": True} | dict(fields.get("routing") or {})
     return PlatformConfig.model_validate({"model": PUBLIC, "pools": {name: pool_config(tiny_base, max_model_len) | extra
                                                                      for name, extra in pools.items()}} | fields)
 

@@ -112,6 +112,8 @@ swiftkv-{{ . }}
 {{- range $name, $pool := .Values.platform.pools -}}
 {{- $served := include "swiftkv.servedName" (list $ $name) -}}
 {{- $remote := dict "backend" "remote" "model" $pool.model "tokenizer" ($pool.tokenizer | default $pool.model) "served_model_name" $served "url" (printf "http://%s:8000/v1" (include "swiftkv.poolService" (list $ $name))) -}}
+{{- /* the servers' key, from the Secret through the gateway's environment: this file is a ConfigMap */ -}}
+{{- $_ := set $remote "api_key_env" "SWIFTKV_ENGINE_API_KEY" -}}
 {{- if include "swiftkv.kvEvents" $ -}}
 {{- $_ := set $remote "kv_events_endpoint" (printf "tcp://%s:5557" (include "swiftkv.poolService" (list $ $name))) -}}
 {{- end -}}
@@ -174,7 +176,9 @@ publishes them on port 5557 and the gateway subscribes there. */}}
       for name in {{ join " " .Values.models.prepare }}; do
         flock /models/.prepare.lock swiftkv models prepare "$name" --dir /models
       done
-  securityContext: {{- toYaml .Values.securityContext | nindent 4 }}
+  env:
+    - {name: HOME, value: /tmp}   # caches under the writable /tmp, not the read-only root
+  securityContext: {{- include "swiftkv.securityContext" . | nindent 4 }}
   volumeMounts:
     - {name: models, mountPath: /models}
     - {name: tmp, mountPath: /tmp}
@@ -247,4 +251,43 @@ workers (the engines) are told from the head by the pod label the ServiceMonitor
 {{- if .Values.trainer.enabled }}
 - {what: the trainer, service: {{ include "swiftkv.fullname" . }}-trainer}
 {{- end }}
+{{- end -}}
+
+{{/* A container's securityContext: the values' plus a read-only root filesystem, which is not optional: each
+process writes only to its volumes (/tmp with HOME=/tmp for caches and Ray's /tmp/ray, /models, the data dir). */}}
+{{- define "swiftkv.securityContext" -}}
+{{- toYaml (merge (dict "readOnlyRootFilesystem" true) (deepCopy .Values.securityContext)) -}}
+{{- end -}}
+
+{{/* Ray's ports, pinned on every node of the cluster (head, workers, the gateway) so the NetworkPolicies can name
+them; Ray's defaults pick the node manager's and object manager's at random. */}}
+{{- define "swiftkv.rayPorts" -}}
+node-manager-port: "6380"
+object-manager-port: "6381"
+dashboard-agent-grpc-port: "6382"
+dashboard-agent-listen-port: "52365"
+runtime-env-agent-port: "6383"
+min-worker-port: "10002"
+max-worker-port: "19999"
+{{- end -}}
+
+{{/* NetworkPolicy ports another Ray node reaches on a node: GCS (the head), raylet, object manager, the dashboard
+agent (the head's dashboard asks it) and the worker processes (actors, drivers). The runtime-env agent is asked by
+its own node only; the dashboard (8265, its job API runs code) and Ray Client (10001) are not among them. */}}
+{{- define "swiftkv.rayNodePorts" -}}
+{{- $p := include "swiftkv.rayPorts" . | fromYaml -}}
+- {port: {{ index $p "node-manager-port" }}, protocol: TCP}   # raylet
+- {port: {{ index $p "object-manager-port" }}, protocol: TCP}   # object transfers
+- {port: {{ index $p "dashboard-agent-grpc-port" }}, protocol: TCP}   # dashboard agent (gRPC)
+- {port: {{ index $p "dashboard-agent-listen-port" }}, protocol: TCP}   # dashboard agent (HTTP)
+- {port: {{ index $p "min-worker-port" }}, endPort: {{ index $p "max-worker-port" }}, protocol: TCP}   # worker processes
+{{- end -}}
+
+{{/* The vLLM servers' API key (engines.mode deployments): engines.apiKey.existingSecret or the chart's own. */}}
+{{- define "swiftkv.engineKeySecret" -}}
+{{- .Values.engines.apiKey.existingSecret | default (printf "%s-engine-api-key" (include "swiftkv.fullname" .)) -}}
+{{- end -}}
+
+{{- define "swiftkv.engineKeyRef" -}}
+{name: {{ include "swiftkv.engineKeySecret" . }}, key: {{ .Values.engines.apiKey.existingSecretKey }}}
 {{- end -}}
