@@ -448,6 +448,9 @@ class PlatformConfig(StrictModel):
     redis_url: str | None = Field(None, description="Redis (redis://host:6379/0) holding the per-key rate limits that several "
                                   "gateway processes share, and carrying their live traffic to each other's batch runners; "
                                   "default: each process keeps its own limits in memory and sees only its own live traffic")
+    redis_prefix: str = Field("swiftkv", min_length=1, pattern=r"^[^\s:]+$", description="first part of every Redis key and "
+                              "channel this platform uses (<prefix>:ratelimit:..., <prefix>:live), so that releases sharing "
+                              "one Redis keep their own limits and live traffic; the Helm chart sets the release's name")
     batch: BatchConfig = Field(default_factory=BatchConfig, description="the Batch API's runner and its files")
     health: HealthConfig = Field(default_factory=HealthConfig, description="health checks of each pool and recovery of one "
                                  "that is down")

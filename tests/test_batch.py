@@ -390,16 +390,17 @@ def test_batch_work_makes_way_for_live_traffic_at_another_gateway_process(tiny_b
 
     from services.batch.live import CHANNEL
 
+    channel = f"swiftkv:{CHANNEL}"  # under the default redis_prefix
     a_backends, a_gw = gated_gateway(tiny_base, tmp_path / "a", redis_url="redis://127.0.0.1:6379/0")
     b_backends, b_gw = gated_gateway(tiny_base, tmp_path / "b", redis_url="redis://127.0.0.1:6379/0")
     subscribers = redis.Redis.from_url("redis://127.0.0.1:6379/0")
-    listening = subscribers.pubsub_numsub(CHANNEL)[0][1]
+    listening = subscribers.pubsub_numsub(channel)[0][1]
 
     async def run():
         b_backends["base"].gate.set()
         async with a_gw.running(host="a") as a, b_gw.running(host="b") as b:
             async def subscribed():
-                return subscribers.pubsub_numsub(CHANNEL)[0][1] >= listening + 2
+                return subscribers.pubsub_numsub(channel)[0][1] >= listening + 2
             await until(subscribed)
             batch = await start_batch(b)
             await live_request_moves_two_prefills(b_backends, a)  # the live request at the other gateway

@@ -12,6 +12,7 @@ import httpx
 from harness.batch import PROMPT_HEAVY, gated_gateway, until
 
 from services.batch import runner as runner_module
+from services.gateway import admission
 
 KEY_A, KEY_B = "sk-hostile-a", "sk-hostile-b"
 
@@ -257,6 +258,34 @@ def test_an_expired_batch_lists_every_line_not_run_in_input_order(tiny_base, tmp
             assert batch["status"] == "expired" and batch["output_file_id"] is None
             assert [(x["custom_id"], x["error"]["code"]) for x in await contents(c, batch["error_file_id"])] == [
                 (f"l{i}", "batch_expired") for i in range(4)]
+
+    asyncio.run(run())
+
+
+def test_a_line_retried_after_a_429_is_validated_once(tiny_base, tmp_path, monkeypatch):
+    """A line refused for its key's per-minute limit is retried with the request validated the first time: each
+    retry costs only the limiter call. Before, the line's tree was walked (on the loop) and validated again on
+    every retry."""
+    backends, gw = gated_gateway(tiny_base, tmp_path, limits={"requests_per_minute": 1})
+    limiter = gw.gateway.limiter
+    parsed, acquired = [], []
+    parse, acquire = admission.parse, limiter.acquire
+    monkeypatch.setattr(admission, "parse", lambda *a: parsed.append(a) or parse(*a))
+    monkeypatch.setattr(limiter, "acquire", lambda *a, **k: acquired.append(a) or acquire(*a, **k))
+
+    async def run():
+        for b in backends.values():
+            b.gate.set()
+        async with gw.running() as c:
+            batch = await submit(c, [line("a"), line("b")])
+
+            async def retried():
+                return len(acquired) >= 5  # line a's request, line b's first try and three retries
+            await until(retried)
+            limiter.buckets["anonymous"]["requests"].level = 1.0  # a minute has passed, as far as the limiter knows
+            b = await status_becomes(c, batch, "completed", "failed")
+            assert b["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+        assert len(parsed) == 2, len(parsed)  # one validation per line
 
     asyncio.run(run())
 

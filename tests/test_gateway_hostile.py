@@ -22,6 +22,7 @@ from services.common.errors import APIError
 from services.common.keys import KeyStore, digest
 from services.config import PlatformConfig
 from services.gateway import admission
+from services.gateway import app as app_module
 from services.gateway.app import Gateway, create_app
 from services.gateway.prompts import Prompter
 from services.gateway.rate_limits import RedisRateLimiter
@@ -215,6 +216,37 @@ async def test_tokenize_and_detokenize_are_capped_and_rate_limited(tiny_base):
         assert r.status_code == 200 and r.json()["count"] > 0
         e = error(await c.post("/detokenize", json={"tokens": [1, 2]}), 429)  # the third request of the minute
         assert e["code"] == "rate_limit_exceeded"
+
+
+async def test_an_over_limit_keys_tokenize_is_refused_before_its_body_is_decoded(tiny_base, monkeypatch):
+    """/tokenize and /detokenize charge the request and the body's bytes as soon as the body is read, as generation
+    does: a key past its limits gets its 429 with the body neither decoded nor validated, and a served request is
+    counted once (two a minute: both routes are served). Before, the body was decoded and validated, on the loop,
+    before the charge."""
+    gw, _ = gateway(tiny_base, requests_per_minute=2)
+    decoded = decoding_threads(monkeypatch)
+    parse = app_module.parse
+    monkeypatch.setattr(app_module, "parse", lambda *a: decoded.append(current_thread().name) or parse(*a))
+    async with client(gw) as c:
+        assert (await c.post("/tokenize", json={"prompt": "hello"})).status_code == 200
+        assert (await c.post("/detokenize", json={"tokens": [1, 2]})).status_code == 200
+        before = len(decoded)
+        for route, body in (("/tokenize", {"prompt": "hello " * 5000}), ("/detokenize", {"tokens": [1] * 10_000})):
+            assert error(await c.post(route, json=body), 429)["code"] == "rate_limit_exceeded"
+    assert before == 4 and len(decoded) == before  # the refused bodies were never decoded
+
+
+async def test_a_streamed_body_to_run_request_is_refused_before_the_key_is_charged(tiny_base):
+    """run_request (the Batch API's lines) refuses `stream` before the key is charged: its one request of the minute
+    and its output tokens stay for the next. Before, the body was admitted (charged the request and a 30-token output
+    reservation, never given back) and then refused."""
+    gw, _ = gateway(tiny_base, requests_per_minute=1, output_tokens_per_minute=40)
+    body = {"model": "m", "prompt": "hello", "max_tokens": 30}
+    status, answer = await gw.run_request(body | {"stream": True}, "completion", "anonymous")
+    assert (status, answer["error"]["param"]) == (400, "stream")
+    assert "anonymous" not in gw.limiter.buckets  # nothing taken
+    status, answer = await gw.run_request(body, "completion", "anonymous")
+    assert status == 200, answer
 
 
 # ---- Redis --------------------------------------------------------------------------------------------------------

@@ -47,6 +47,9 @@ class HostGateway(Protocol):
 
     async def read_json(self, request: Request) -> object: ...
 
+    async def prepare(self, data: object, kind: str, source: str = "batch") -> object:
+        """The body validated (an APIError if it is not), for run_request: once however often it is retried."""
+
     async def run_request(self, data: object, kind: str, identity: str, *, source: str = "batch", priority: int = 0,
                           slot: Callable[[Placement], AbstractAsyncContextManager[Placement]] | None = None,
                           first_token: Callable[[], None] | None = None) -> tuple[int, dict]: ...

@@ -25,13 +25,14 @@ from .gateway_protocols import Pool
 
 log = logging.getLogger("swiftkv.batch")
 
-CHANNEL = "swiftkv:live"
+CHANNEL = "live"  # under the platform's redis_prefix: releases sharing one Redis do not hear each other
 RETRY_SECONDS = 5.0
 
 
 class SharedLiveTraffic:
-    def __init__(self, redis_url: str, pools: dict[str, Pool], quiet_seconds: float):
+    def __init__(self, redis_url: str, pools: dict[str, Pool], quiet_seconds: float, redis_prefix: str = "swiftkv"):
         self.redis_url, self.pools = redis_url, pools
+        self.channel = f"{redis_prefix}:{CHANNEL}"
         self.origin = secrets.token_hex(6)  # this process: its own messages are not news to it
         # Heartbeats closer than the quiet time, so a long live request elsewhere keeps the pool busy throughout.
         self.heartbeat = min(1.0, max(quiet_seconds / 2, 0.1))
@@ -57,9 +58,9 @@ class SharedLiveTraffic:
             client = aioredis.Redis.from_url(self.redis_url, socket_connect_timeout=1.0, socket_keepalive=True)
             try:
                 async with client.pubsub() as pubsub:
-                    await pubsub.subscribe(CHANNEL)
+                    await pubsub.subscribe(self.channel)
                     metrics.live_traffic_shared.set(1)
-                    log.info("batch: live traffic shared through Redis (channel %s)", CHANNEL)
+                    log.info("batch: live traffic shared through Redis (channel %s)", self.channel)
                     async with asyncio.TaskGroup() as tasks:
                         tasks.create_task(self._publish(client))
                         tasks.create_task(self._listen(pubsub))
@@ -85,7 +86,7 @@ class SharedLiveTraffic:
             self.started = set()
             last_round = now
             for name in busy:
-                await client.publish(CHANNEL, f"{self.origin} {name}")
+                await client.publish(self.channel, f"{self.origin} {name}")
 
     async def _listen(self, pubsub) -> None:
         async for message in pubsub.listen():

@@ -37,7 +37,7 @@ from typing import AsyncIterator, Iterable
 
 from sqlalchemy.exc import OperationalError
 
-from services.common.errors import bad_request
+from services.common.errors import APIError, bad_request
 from services.common.files import FileStore, Incoming
 from services.common.threads import Threads
 from services.config import BatchConfig
@@ -329,6 +329,11 @@ class Job:
             # Refused here, before the gateway charges the key's limits for a request it would then refuse.
             await r.io(r.store.record, self.id, line.number, line.custom_id, 400, secrets.token_hex(12),
                        bad_request("stream is not supported in a batch", param="stream").body())
+            return
+        try:  # validated once, off the loop: a retry (after a 429, a pool down, a preemption) costs only the limiter call
+            request = await r.gateway.prepare(request, kind)
+        except APIError as e:
+            await r.io(r.store.record, self.id, line.number, line.custom_id, e.status, secrets.token_hex(12), e.body())
             return
         while True:
             if self.resume_at > time.monotonic() and await self.pause(self.resume_at - time.monotonic()):

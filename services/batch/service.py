@@ -28,7 +28,7 @@ class BatchService:
         data_dir = Path(cfg.data_dir).expanduser()
         data_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg.batch
-        self.redis_url = cfg.redis_url
+        self.redis_url, self.redis_prefix = cfg.redis_url, cfg.redis_prefix
         self.store = BatchStore(cfg.database_url or f"sqlite:///{data_dir / 'swiftkv.db'}")
         self.files = FileStore(data_dir / "files")
         self.io = Threads()
@@ -40,7 +40,7 @@ class BatchService:
         self.gateway = gateway
         self.runner = Runner(self.store, self.files, gateway, self.cfg, self.io)
         # with redis_url, batch work here also makes way for live traffic that other gateway processes serve
-        self.live = SharedLiveTraffic(self.redis_url, gateway.pools, self.cfg.live_quiet_seconds) if self.redis_url else None
+        self.live = SharedLiveTraffic(self.redis_url, gateway.pools, self.cfg.live_quiet_seconds, self.redis_prefix) if self.redis_url else None
         self.router = build_router(self)
         self.openapi_operations = openapi_operations(list(self.cfg.completion_windows))
 

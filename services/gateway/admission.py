@@ -144,7 +144,7 @@ class Admission:
         self.max_model_len = min(lens) if lens else None
         self.max_prompt_tokens = cfg.limits.max_prompt_tokens or (self.max_model_len - 1 if self.max_model_len else None)
         limits = (cfg.limits.requests_per_minute, cfg.limits.prompt_tokens_per_minute, cfg.limits.output_tokens_per_minute, keys.digests)
-        self.limiter = RedisRateLimiter(cfg.redis_url, *limits) if cfg.redis_url else RateLimiter(*limits)
+        self.limiter = RedisRateLimiter(cfg.redis_url, *limits, prefix=cfg.redis_prefix) if cfg.redis_url else RateLimiter(*limits)
         # Output tokens per choice of the answers that ran to their own end: what a request without max_tokens expects.
         self.output_estimate = OutputEstimates(float(cfg.routing.default_output_estimate))
         self.check_constraints = constraints.checked_here(cfg)
@@ -316,8 +316,14 @@ class Admission:
         their exact count. `charged`: the request and its bytes were taken by read_body, before the body was
         decoded; only the output is reserved here. `charge=False` leaves the per-minute limits alone. A refusal
         after the charge gives the output reservation back; the request and its prompt stay charged. A body of
-        unknown size (0: the Batch API's lines) or above SMALL_BODY_BYTES is validated on the CPU pool."""
-        req = self.validate(data, kind) if 0 < size <= SMALL_BODY_BYTES else await self.off_loop(self.validate, data, kind)
+        unknown size (0: the Batch API's lines) or above SMALL_BODY_BYTES is validated on the CPU pool; `data` may
+        be a request validated already."""
+        if isinstance(data, (ChatCompletionRequest, CompletionRequest)):
+            req = data  # validated already (Gateway.prepare: a Batch API line, once for all its retries)
+        elif 0 < size <= SMALL_BODY_BYTES:
+            req = self.validate(data, kind)
+        else:
+            req = await self.off_loop(self.validate, data, kind)
         if kind != "chat":
             if req.suffix is not None:
                 raise bad_request("suffix is not supported (no model served here is trained for fill-in-the-middle)", param="suffix")

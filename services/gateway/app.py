@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from services.common.errors import APIError, bad_request, error_response
 from services.common.openapi import document, json_body, ref
 
+from .admission import SMALL_BODY_BYTES
 from .http_limits import ConcurrencyCap
 from .pipeline import Gateway
 from .render import json_bytes
@@ -131,18 +132,26 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
         return await gateway.handle(request, "completion")
 
     # vLLM's tokenizer routes and version, for tools that probe them (same shapes as vLLM's server). Like the
-    # generation routes: under the concurrency cap, charged to the key's requests and prompt tokens per minute
-    # before the work, which runs on the CPU pool.
+    # generation routes: under the concurrency cap, charged to the key's requests and the body's bytes (as prompt
+    # tokens, settled to their count) before the body is decoded; a large body is validated, and all the work
+    # done, on the CPU pool.
+    async def small_here(size: int, fn):
+        return fn() if size <= SMALL_BODY_BYTES else await gateway.off_loop(fn)
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         admission = gateway.admission
         identity = admission.identify(request)
-        data, size = await admission.read_body(request)
-        req = parse(TokenizeRequest, data)
-        admission.check_bounds(req)
-        if req.model is not None:
-            admission.resolve_model(req.model)
-        await admission.limiter.acquire(identity, size, 0)
+        data, size = await admission.read_body(request, identity)  # charged before it is decoded
+
+        def validate() -> TokenizeRequest:
+            req = parse(TokenizeRequest, data)
+            admission.check_bounds(req)
+            if req.model is not None:
+                admission.resolve_model(req.model)
+            return req
+
+        req = await small_here(size, validate)
         p = gateway.prompter
 
         def work() -> dict:
@@ -162,10 +171,17 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
     async def detokenize(request: Request):
         admission = gateway.admission
         identity = admission.identify(request)
-        req = parse(DetokenizeRequest, await admission.read_json(request))
-        if req.model is not None:
-            admission.resolve_model(req.model)
-        await admission.limiter.acquire(identity, len(req.tokens), 0)  # the token ids count as prompt tokens
+        data, size = await admission.read_body(request, identity)  # charged before it is decoded
+
+        def validate() -> DetokenizeRequest:
+            req = parse(DetokenizeRequest, data)
+            if req.model is not None:
+                admission.resolve_model(req.model)
+            return req
+
+        req = await small_here(size, validate)
+        # the token ids count as prompt tokens (the body's bytes, taken above, are at least as many)
+        await admission.limiter.settle(identity, size, len(req.tokens), kind="prompt_tokens")
         vocab = gateway.prompter.vocab_size
 
         def work() -> bytes:

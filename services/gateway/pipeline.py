@@ -33,7 +33,7 @@ from .pool_lifecycle import PoolLifecycle
 from .prompts import Prompter
 from .render import collect, failure, json_bytes, sse_body
 from .routing import Decision, RoutePolicy
-from .schemas import check_tree
+from .schemas import ChatCompletionRequest, CompletionRequest, check_tree
 
 log = logging.getLogger("swiftkv.gateway")
 
@@ -135,21 +135,40 @@ class Gateway:
                         media_type="application/json")
 
     # ---- requests without HTTP (the Batch API) ---------------------------------------------------
+    async def prepare(self, data: object, kind: str, source: str = "batch") -> ChatCompletionRequest | CompletionRequest:
+        """An already-parsed body without HTTP (a Batch API line) -> the validated request; a refusal (a streamed
+        request among them, before any charge) is an APIError, counted under `source`. Its tree is walked and validated
+        on the CPU pool (a line's size is not known here, and may be that of a large body). A line retried after a
+        429 passes what this returned to run_request, so its retries cost only the limiter call."""
+        try:
+            return await self.off_loop(self._prepare, data, kind)
+        except APIError as e:
+            count_rejection(e, source)
+            raise
+
+    def _prepare(self, data: object, kind: str) -> ChatCompletionRequest | CompletionRequest:
+        check_tree(data)
+        req = self.admission.validate(data, kind)
+        if req.stream:  # refused before the key is charged for a request it would not get
+            raise bad_request("stream is not supported here", param="stream")
+        return req
+
     async def run_request(self, data: object, kind: str, identity: str, *, source: str = "batch", priority: int = 0,
                           slot: Callable[[Decision], AbstractAsyncContextManager[Decision]] | None = None,
                           first_token: Callable[[], None] | None = None) -> tuple[int, dict]:
-        """Serve one already-parsed, non-streamed request body without HTTP (the Batch API's lines): the same
-        validation, token counting, routing, backends and metrics (labelled `source`) as live traffic, at
-        the engine priority given (or the body's own, if later), charged to the key's per-minute limits (a 429 when over them, which the
-        caller waits out). `slot(decision)` is entered once the route is decided and held while the engine
-        works (the caller's bound on its own requests per pool); it may move the request to another pool: the
-        decision it yields is the one served and counted. `first_token()` is called, in the calling task,
-        when the first output token arrives."""
+        """Serve one already-parsed, non-streamed request body (or what `prepare` made of it) without HTTP (the Batch
+        API's lines): the same validation, token counting, routing, backends and metrics (labelled `source`) as live
+        traffic, at the engine priority given (or the body's own, if later), charged to the key's per-minute limits
+        (a 429 when over them, which the caller waits out). `slot(decision)` is entered once the route is decided and
+        held while the engine works (the caller's bound on its own requests per pool); it may move the request to
+        another pool: the decision it yields is the one served and counted. `first_token()` is called, in the
+        calling task, when the first output token arrives."""
         try:
-            check_tree(data)
-            admitted, decision = await self.admit_and_route(data, kind, identity)
-            if admitted.request.stream:
-                raise bad_request("stream is not supported here", param="stream")
+            req = data if isinstance(data, (ChatCompletionRequest, CompletionRequest)) else await self.prepare(data, kind, source)
+        except APIError as e:  # counted by prepare
+            return e.status, e.body()
+        try:
+            admitted, decision = await self.admit_and_route(req, kind, identity)
         except APIError as e:
             count_rejection(e, source)
             return e.status, e.body()

@@ -153,11 +153,12 @@ class RedisRateLimiter(RateLimiter):
     Calls go through redis.asyncio: a slow or silent Redis holds only the requests waiting on it, never
     the event loop (and so never the streams of other requests)."""
 
-    PREFIX = "swiftkv:ratelimit:"
+    PREFIX = "swiftkv:ratelimit:"  # with the default redis_prefix
 
-    def __init__(self, redis_url: str, *args, retry_seconds: float = 5.0, **kwargs):
+    def __init__(self, redis_url: str, *args, retry_seconds: float = 5.0, prefix: str = "swiftkv", **kwargs):
         super().__init__(*args, **kwargs)
         self.url = redis_url
+        self.PREFIX = f"{prefix}:ratelimit:"  # PlatformConfig.redis_prefix: releases sharing one Redis keep their own buckets
         self.retry_seconds = retry_seconds
         self.down_since: float | None = None
         self._clients: tuple | None = None  # (event loop, client, script): a redis.asyncio client serves one loop

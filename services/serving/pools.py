@@ -64,14 +64,15 @@ def remote_pool(name: str, pool: PoolConfig, cfg: PlatformConfig) -> Backend:
     events += [None] * (len(pool.urls) - len(events))
     api_key = pool.remote_api_key(name)
     if len(pool.urls) == 1:
-        return RemoteBackend(name, pool.urls[0], model, api_key, kv_events=events[0])
+        return RemoteBackend(name, pool.urls[0], model, api_key, kv_events=events[0], dual_mode=pool.dual_mode)
     from urllib.parse import urlsplit
 
     from services.config import DEFAULT_BLOCK_SIZE
 
     from .replicas import ReplicaChooser, ReplicaSet
 
-    replicas = {urlsplit(url).netloc or url: RemoteBackend(name, url, model, api_key, kv_events=e) for url, e in zip(pool.urls, events)}
+    replicas = {urlsplit(url).netloc or url: RemoteBackend(name, url, model, api_key, kv_events=e, dual_mode=pool.dual_mode)
+                for url, e in zip(pool.urls, events)}
     r = cfg.routing
     chooser = ReplicaChooser(list(replicas), r.prefix_block_size or DEFAULT_BLOCK_SIZE, r.prefix_min_distinct_tokens,
                              r.balance_margin_tokens, r.decode_token_cost)

@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 import httpx
 
-from swiftkv_core.dual_mode import cache_salt, extra_args
+from swiftkv_core.dual_mode import MODE_ARG, cache_salt, extra_args
 
 from .backend import BackendDown, BackendError, ChoiceDelta, GenerateRequest, Output, SamplingOptions, TokenLogprob, UpstreamError
 
@@ -65,8 +65,10 @@ class RemoteBackend:
     starts_alongside = False
 
     def __init__(self, name: str, url: str, model: str, api_key: str | None = None, timeout: float = 600.0,
-                 kv_events: str | None = None):
+                 kv_events: str | None = None, dual_mode: bool = False):
         self.name = name
+        self.dual_mode = dual_mode  # the pool's requests may ask for base mode: the server must serve it
+        self.base_mode_refusal: str | None = None  # why the server refused base mode at its last check, if it did
         self.kv_events = kv_events  # where the server publishes vLLM's KV-cache events, if it does
         self.base = url.rstrip("/")
         if not self.base.endswith("/v1"):
@@ -81,6 +83,25 @@ class RemoteBackend:
         if not await self.health():
             raise BackendDown(f"pool {self.name}: remote server {self.base} is not reachable")
         self.continuous_usage = await self._is_vllm()
+        if self.dual_mode and not await self._serves_base_mode():
+            raise BackendDown(self.base_mode_refusal)
+
+    async def _serves_base_mode(self) -> bool:
+        """A one-token base-mode request: False (and why, in base_mode_refusal) when the server refuses it, as a SwiftKV
+        server started without the dual-mode override does (swiftkv_core/vllm/engine_config.py). Any other answer
+        passes: a server without the SwiftKV plugin cannot be told apart from one that serves base mode."""
+        body = {"model": self.model, "prompt": [0], "max_tokens": 1} | mode_fields("base")
+        try:
+            r = await self.client.post(f"{self.base}/completions", json=body, timeout=30.0)
+        except httpx.HTTPError:
+            return True  # not this check's to judge: health() reports an unreachable server
+        if 400 <= r.status_code < 500 and MODE_ARG in r.text:
+            self.base_mode_refusal = (f"pool {self.name}: dual_mode is set but the server at {self.base} does not serve "
+                                      f"base mode (start it with hf_overrides {{\"swiftkv_dual_mode\": true}}): "
+                                      f"{_upstream_error(r.status_code, r.text).message}")
+            return False
+        self.base_mode_refusal = None
+        return True
 
     async def _is_vllm(self) -> bool:
         """vLLM's server (it answers /version) reports usage on every chunk when asked; others may refuse
@@ -162,9 +183,12 @@ class RemoteBackend:
     async def health(self) -> bool:
         try:
             r = await self.client.get(f"{self.base}/models", timeout=5.0)
-            return r.status_code == 200
         except httpx.HTTPError:
             return False
+        if r.status_code != 200:
+            return False
+        # a dual_mode pool whose server refused base mode stays out of routing until a check finds it fixed
+        return self.base_mode_refusal is None or await self._serves_base_mode()
 
     async def recover(self) -> None:
         await self.start()  # nothing to restart here: the server is reachable again or not

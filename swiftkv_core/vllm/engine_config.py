@@ -40,7 +40,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from ..config import SwiftKVConfigError
-from ..dual_mode import CONFIG_FIELD
+from ..dual_mode import CONFIG_FIELD, MODE_ARG, is_base
 from .speculation import speculation_refusal
 
 if TYPE_CHECKING:
@@ -53,6 +53,11 @@ PROMPT_LOGPROBS_REFUSAL = (
     "prompt_logprobs are not supported by SwiftKV models: prompt tokens skip the layers after "
     "num_key_value_layers, so the engine never computes their final hidden states. Serve the base "
     "model for prompt scoring."
+)
+
+BASE_MODE_REFUSAL = (
+    f"{MODE_ARG}=base: this SwiftKV engine was not started in dual mode (hf_overrides {{{CONFIG_FIELD}: true}}), "
+    "so it would answer with the SwiftKV model; serve the base model from a dual-mode engine or a base pool."
 )
 
 
@@ -79,6 +84,23 @@ class SwiftKVRequestValidator(LogitsProcessor):
         return logits
 
 
+class SwiftKVOnlyRequestValidator(SwiftKVRequestValidator):
+    """The validator of an engine not in dual mode: it also refuses base-mode requests, which such an engine would
+    otherwise answer with the SwiftKV model."""
+
+    FQCN = f"{__name__}:SwiftKVOnlyRequestValidator"
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        super().validate_params(sampling_params)
+        if is_base(sampling_params.extra_args):
+            raise VLLMValidationError(BASE_MODE_REFUSAL, parameter="extra_args", value=sampling_params.extra_args)
+
+
+VALIDATORS = (SwiftKVRequestValidator, SwiftKVRequestValidator.FQCN, SwiftKVOnlyRequestValidator,
+              SwiftKVOnlyRequestValidator.FQCN)
+
+
 class SwiftKVEngineConfig(VerifyAndUpdateConfig):
     @staticmethod
     def verify_and_update_config(vllm_config: VllmConfig) -> None:
@@ -93,14 +115,15 @@ class SwiftKVEngineConfig(VerifyAndUpdateConfig):
                                      field="pipeline_parallel_size")
         check_kv_transfer(vllm_config)
         check_attention_backend(vllm_config, on_cpu=current_platform.is_cpu())
+        dual_mode = bool(getattr(vllm_config.model_config.hf_config, CONFIG_FIELD, False))
         if not current_platform.is_cpu():
             compilation = vllm_config.compilation_config
-            dual_mode = bool(getattr(vllm_config.model_config.hf_config, CONFIG_FIELD, False))
             compilation.cudagraph_mode = swiftkv_cudagraph_mode(compilation.cudagraph_mode, dual_mode)
         model_config = vllm_config.model_config
         processors = list(model_config.logits_processors or [])
-        if SwiftKVRequestValidator.FQCN not in processors and SwiftKVRequestValidator not in processors:
-            processors.append(SwiftKVRequestValidator.FQCN)
+        validator = SwiftKVRequestValidator if dual_mode else SwiftKVOnlyRequestValidator
+        processors = [p for p in processors if p not in VALIDATORS]
+        processors.append(validator.FQCN)
         # Under speculative decoding vLLM's engine refuses custom logits processors; the validator changes no logits
         # and is needed only where requests are admitted, so the engine processes do not receive it.
         model_config.logits_processors = processors if vllm_config.speculative_config is None else FrontEndOnly(processors)
@@ -111,7 +134,7 @@ class FrontEndOnly(list):
     `validate_params` there): a copy sent to an engine process (vLLM pickles the config for it) leaves it out."""
 
     def __reduce__(self):
-        kept = [p for p in self if p not in (SwiftKVRequestValidator.FQCN, SwiftKVRequestValidator)]
+        kept = [p for p in self if p not in VALIDATORS]
         return (list, (kept,))
 
 

@@ -96,6 +96,8 @@ swiftkv-{{ . }}
 {{- $_ := set $cfg "host" "0.0.0.0" -}}
 {{- $_ := set $cfg "port" (int .Values.gateway.port) -}}
 {{- $_ := set $cfg "data_dir" "/var/lib/swiftkv" -}}
+{{- /* the release's own Redis keys and channels: releases sharing one Redis keep their own limits and live traffic */ -}}
+{{- $_ := set $cfg "redis_prefix" .Release.Name -}}
 {{- if include "swiftkv.keysEnabled" . -}}
 {{- $_ := set $cfg "api_keys_file" (printf "/etc/swiftkv/keys/%s" .Values.apiKeys.existingSecretKey) -}}
 {{- end -}}
