@@ -22,7 +22,7 @@ from services.config import RENAMED_POOLS, PlatformConfig
 from services.serving.backend import GenerateRequest
 
 from . import constraints, metrics
-from .prompts import Prompter
+from .prompts import BATCHED_PROMPTS, Prompter
 from .rate_limits import RateLimiter, RedisRateLimiter
 from .render import ChatRender, CompletionRender, Renderer
 from .routing import Ewma, PoolState
@@ -67,9 +67,6 @@ def decode(body: bytes) -> object:
         raise bad_request("the JSON body nests objects and arrays too deeply", code="invalid_json")
     check_tree(data, text)
     return data
-
-
-BATCHED_PROMPTS = "send one prompt per request (batched prompts are not supported; use n for several completions)"
 
 
 def too_many(param: str, have: int, limit: int, what: str, setting: str) -> None:
@@ -192,7 +189,12 @@ class Admission:
         body = b"".join(chunks)
         if identity is not None:
             await self.limiter.acquire(identity, size, 0)
-        return (decode(body) if size <= SMALL_BODY_BYTES else await self.off_loop(decode, body)), size
+        return await self.by_size(size, decode, body), size
+
+    async def by_size(self, size: int, fn, *args):
+        """`fn(*args)` for a body of `size` bytes: here for a small one (the hop to the CPU pool would cost more), on
+        the CPU pool for a large one or one of unknown size (0), where its cost holds no other request's stream."""
+        return fn(*args) if 0 < size <= SMALL_BODY_BYTES else await self.off_loop(fn, *args)
 
     # ---- checks ----------------------------------------------------------------------------------
     def resolve_model(self, name: str) -> str | None:
@@ -320,10 +322,8 @@ class Admission:
         be a request validated already."""
         if isinstance(data, (ChatCompletionRequest, CompletionRequest)):
             req = data  # validated already (Gateway.prepare: a Batch API line, once for all its retries)
-        elif 0 < size <= SMALL_BODY_BYTES:
-            req = self.validate(data, kind)
         else:
-            req = await self.off_loop(self.validate, data, kind)
+            req = await self.by_size(size, self.validate, data, kind)
         if kind != "chat":
             if req.suffix is not None:
                 raise bad_request("suffix is not supported (no model served here is trained for fill-in-the-middle)", param="suffix")

@@ -19,7 +19,6 @@ from starlette.responses import JSONResponse, Response
 from services.common.errors import APIError, bad_request, error_response
 from services.common.openapi import document, json_body, ref
 
-from .admission import SMALL_BODY_BYTES
 from .http_limits import ConcurrencyCap
 from .pipeline import Gateway
 from .render import json_bytes
@@ -135,9 +134,6 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
     # generation routes: under the concurrency cap, charged to the key's requests and the body's bytes (as prompt
     # tokens, settled to their count) before the body is decoded; a large body is validated, and all the work
     # done, on the CPU pool.
-    async def small_here(size: int, fn):
-        return fn() if size <= SMALL_BODY_BYTES else await gateway.off_loop(fn)
-
     @app.post("/tokenize")
     async def tokenize(request: Request):
         admission = gateway.admission
@@ -151,7 +147,7 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
                 admission.resolve_model(req.model)
             return req
 
-        req = await small_here(size, validate)
+        req = await gateway.admission.by_size(size, validate)
         p = gateway.prompter
 
         def work() -> dict:
@@ -179,7 +175,7 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
                 admission.resolve_model(req.model)
             return req
 
-        req = await small_here(size, validate)
+        req = await gateway.admission.by_size(size, validate)
         # the token ids count as prompt tokens (the body's bytes, taken above, are at least as many)
         await admission.limiter.settle(identity, size, len(req.tokens), kind="prompt_tokens")
         vocab = gateway.prompter.vocab_size

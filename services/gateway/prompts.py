@@ -10,6 +10,8 @@ from services.common.errors import bad_request
 
 from .schemas import ChatCompletionRequest, CompletionRequest
 
+BATCHED_PROMPTS = "send one prompt per request (batched prompts are not supported; use n for several completions)"
+
 
 class Prompter:
     def __init__(self, tokenizer_path: str):
@@ -74,7 +76,7 @@ class Prompter:
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise bad_request("send one prompt per request (batched prompts are not supported; use n for several completions)", param="prompt")
+                raise bad_request(BATCHED_PROMPTS, param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
             if not prompt:
