@@ -356,3 +356,25 @@ def test_batch_output_counts_against_the_keys_storage_quota(tiny_base, tmp_path)
             assert (await c.post("/v1/files", files=small, data={"purpose": "batch"})).status_code == 200
 
     asyncio.run(run())
+
+
+def test_the_gateway_stops_when_its_batch_runner_is_woken_in_the_same_moment(tiny_base, tmp_path):
+    """A batch submitted just before shutdown wakes the runner as it is cancelled: the runner still stops (its timed
+    wait used to drop that cancel on Python 3.11, and the gateway's shutdown waited for it forever)."""
+    _, gw = gated_gateway(tiny_base, tmp_path)
+
+    async def serve_then_stop():
+        async with gw.running():
+            await asyncio.sleep(0.05)  # the runner is waiting for work
+            gw.service.runner.wake.set()
+            await asyncio.sleep(0)  # the event's waiter is done; the runner has not resumed yet
+
+    async def run():
+        stopping = asyncio.create_task(serve_then_stop())
+        done, _ = await asyncio.wait({stopping}, timeout=5)
+        for task in gw.service._tasks:  # whatever happened, end the loops before the next test
+            task.cancel()
+        assert done, "the gateway's shutdown waits for a batch runner that lost its cancel"
+        stopping.result()
+
+    asyncio.run(run())

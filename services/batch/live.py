@@ -18,7 +18,8 @@ import functools
 import logging
 import secrets
 import time
-from contextlib import suppress
+
+from services.common.waiting import wait_event
 
 from . import metrics
 from .gateway_protocols import Pool
@@ -77,8 +78,7 @@ class SharedLiveTraffic:
     async def _publish(self, client) -> None:
         last_round = time.monotonic()
         while True:
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), self.heartbeat)
+            await wait_event(self.wake, self.heartbeat)
             self.wake.clear()
             now = time.monotonic()
             busy = self.started | {name for name, p in self.pools.items()

@@ -40,6 +40,7 @@ from sqlalchemy.exc import OperationalError
 from services.common.errors import APIError, bad_request
 from services.common.files import FileStore, Incoming
 from services.common.threads import Threads
+from services.common.waiting import wait_event
 from services.config import BatchConfig
 
 from . import metrics
@@ -116,8 +117,7 @@ class PoolSlots:
             if self.busy[placed.pool] < self.allowed(placed.pool):
                 break
             self.freed.clear()
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self.freed.wait(), 0.1)
+            await wait_event(self.freed, 0.1)
         pool = placed.pool
         self.busy[pool] += 1
         self.running[pool][asyncio.current_task()] = False
@@ -161,8 +161,7 @@ class Runner:
             except Exception:
                 log.exception("batch runner: looking for work")
             self.wake.clear()
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), self.cfg.poll_seconds)
+            await wait_event(self.wake, self.cfg.poll_seconds)
 
     async def update_backlog(self) -> None:
         """The backlog gauge, from the store: every gateway on one database reports the same age."""
@@ -221,9 +220,7 @@ class Job:
 
     async def pause(self, seconds: float) -> bool:
         """Wait `seconds`, or less if the job stops meanwhile; True if it stopped."""
-        with suppress(TimeoutError):
-            await asyncio.wait_for(self.stop.wait(), seconds)
-        return self.stop.is_set()
+        return await wait_event(self.stop, seconds)
 
     async def run(self) -> None:
         r = self.runner

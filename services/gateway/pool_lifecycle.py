@@ -95,7 +95,8 @@ class PoolLifecycle:
         while True:
             await asyncio.sleep(delay)
             try:
-                healthy = await asyncio.wait_for(pool.backend.health(), timeout=h.timeout_seconds)
+                async with asyncio.timeout(h.timeout_seconds):  # not wait_for: it can lose a cancel (services.common.waiting)
+                    healthy = await pool.backend.health()
             except Exception:  # a hung or failing health check means the pool is down, not the gateway
                 healthy = False
             self.set_ready(pool, healthy)

@@ -168,7 +168,8 @@ class RayBackend:
         if self.attached:
             return
         try:  # do not wait here: replicas drain on their own, and stop_ray() ends a cluster we started
-            await asyncio.wait_for(asyncio.to_thread(serve.delete, self.app_name, _blocking=False), 10)
+            async with asyncio.timeout(10):  # not wait_for: it can lose a cancel (services.common.waiting)
+                await asyncio.to_thread(serve.delete, self.app_name, _blocking=False)
         except Exception:
             pass
 

@@ -25,6 +25,7 @@ from services.common.errors import APIError, error_response
 from services.common.files import FileStore
 from services.common.keys import KeyStore
 from services.common.threads import Threads
+from services.common.waiting import wait_event
 
 from .api import build_router
 from .backends import LocalJobBackend, RayJobBackend
@@ -138,8 +139,7 @@ class TrainerService:
                 raise
             except Exception:  # the store is briefly unreachable, a file is mid-write: try again next tick
                 log.exception("training worker tick failed")
-            with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), self.settings.poll_seconds)
+            await wait_event(self.wake, self.settings.poll_seconds)
             self.wake.clear()
 
     async def start(self) -> None:
