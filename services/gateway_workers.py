@@ -9,7 +9,8 @@ from the same queue (no connection waiting there is lost). The parent only super
   up to 30 s while replacements keep dying within 10 s of their start;
 - SIGTERM or SIGINT: every worker gets SIGTERM and drains (stops accepting, finishes its requests within
   `health.shutdown_grace_seconds`); the parent exits 0 once all of them exited 0;
-- a worker whose parent is gone (killed without a chance to forward the signal) drains and exits on its own.
+- a worker whose parent is gone (killed without a chance to forward the signal) drains and exits on its own;
+- SIGHUP is forwarded to every worker, each of which reloads its API keys file.
 
 Workers run in their own process group, so a Ctrl-C in a terminal reaches only the parent, which forwards
 one SIGTERM (a second signal would make uvicorn drop the requests it is draining).
@@ -88,11 +89,22 @@ class Supervisor:
         """Supervise until SIGTERM/SIGINT, then drain every worker; -> the exit code (0: all drained cleanly)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stopping.set())
+        signal.signal(signal.SIGHUP, lambda *_: self.forward(signal.SIGHUP))  # each worker reloads its API keys
         for i in range(self.count):
             self._spawn(i)
         while not self.stopping.wait(0.5):
             self._check()
         return self.drain()
+
+    def forward(self, sig: int) -> None:
+        """Send `sig` to every live worker (they are in their own process groups: a signal to the parent reaches them
+        only this way)."""
+        for p in self.procs:
+            if p is not None and p.pid is not None and p.is_alive():
+                try:
+                    os.kill(p.pid, sig)
+                except ProcessLookupError:
+                    pass
 
     def drain(self) -> int:
         alive = [p for p in self.procs if p is not None and p.is_alive()]
@@ -122,6 +134,7 @@ class Supervisor:
 
 def _worker_main(target: Callable[..., None], index: int, sock: socket.socket, parent: int, args: tuple[Any, ...]) -> None:
     os.setpgid(0, 0)  # a terminal's Ctrl-C goes to the parent only, which forwards one SIGTERM
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a forwarded SIGHUP before the app takes it is not a stop
 
     def orphaned() -> None:  # the parent was killed outright: drain like on SIGTERM rather than serve unsupervised
         while os.getppid() == parent:

@@ -219,6 +219,7 @@ def _serve(cfg, engine: str, keys_file: str | None, batch, ray_metrics_port: int
     # not -15 or a KeyboardInterrupt.
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the app takes it (a reload of the API keys), never a stop
     # log_config=None: uvicorn's records go through the root logger's handlers (console or log file)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False, http=edge_protocol(cfg.limits),
                             log_level="debug" if logging.getLogger().isEnabledFor(logging.DEBUG) else "warning",
@@ -481,8 +482,8 @@ def default_dual_mode(cfg) -> None:
 
 
 def default_speculation(cfg) -> None:
-    """The embedded default speculates on every pool; a pool this machine cannot speculate on (a SwiftKV model on a
-    GPU) serves without it, with a warning, instead of the start being refused (as it is for a config file's)."""
+    """Where the embedded default speculates (its base pool), a pool this machine cannot speculate on (a SwiftKV model on
+    a GPU) serves without it, with a warning, instead of the start being refused (as it is for a config file's)."""
     local = [name for name, pool in cfg.pools.items() if pool.backend == "engine" and pool.speculative.enabled]
     if not local:
         return

@@ -190,7 +190,7 @@ def offline_engines():
 UNITS = {
     "shared": ("test_batch.py", "test_bench_target.py", "test_deploy_live.py", "test_gateway.py", "test_gateway_hostile.py",
                "test_openai_compat.py", "test_quiet_start.py", "test_reliability.py", "test_remote_backend.py", "test_replicas.py",
-               "test_workers.py"),
+               "test_workers.py", "test_keys_redis.py", "test_cached_tokens.py", "test_responses_engine.py"),
     "ray": ("test_serve_ray.py", "test_serve_ray_attach.py"),
 }
 

@@ -474,7 +474,9 @@ def test_vllm_servers_take_an_api_key_from_a_secret_the_gateway_reads():
 
 def test_trainer_is_deployed_beside_the_gateway():
     """`swiftkv trainer serve` as one pod (Recreate), its Service scraped by the ServiceMonitor, its runs on a PVC, the
-    models PVC mounted where it publishes, and the batch store's database (or SQLite on its PVC)."""
+    models PVC mounted where it publishes, and the gateway's Files API shared: the gateway's files volume mounted as its
+    files_dir and the batch store's database (or the gateway's SQLite file on that volume), beside the gateway's pod
+    while that volume reaches one node only."""
     objs = render()
     deployment = find(objs, "Deployment", "trainer")[0]
     spec = deployment["spec"]
@@ -491,6 +493,14 @@ def test_trainer_is_deployed_beside_the_gateway():
     assert claims[mounts[env["SWIFTKV_TRAINER_DATA_DIR"]["value"]]] == "swiftkv-trainer"
     assert claims[mounts["/models"]] == "swiftkv-models"  # the claim the pools read their models from
     assert find(objs, "PersistentVolumeClaim", "swiftkv-trainer")
+    files_dir = env["SWIFTKV_TRAINER_FILES_DIR"]["value"]
+    gateway = find(objs, "Deployment", "gateway")[0]["spec"]["template"]["spec"]
+    gw_mounts = {m["mountPath"]: m["name"] for m in gateway["containers"][0]["volumeMounts"]}
+    gw_claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in gateway["volumes"]}
+    assert files_dir.endswith("/files") and claims[mounts[files_dir.removesuffix("/files")]] == gw_claims[gw_mounts["/var/lib/swiftkv"]] == "swiftkv-data"
+    together = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]  # ReadWriteOnce by default
+    assert together["labelSelector"]["matchLabels"] == find(objs, "Deployment", "gateway")[0]["spec"]["selector"]["matchLabels"]
+    assert together["topologyKey"] == "kubernetes.io/hostname"
     service = find(objs, "Service", "trainer")[0]
     assert service["spec"]["ports"][0]["port"] == 8001
     assert service["spec"]["selector"] == spec["selector"]["matchLabels"]
@@ -507,9 +517,19 @@ def test_trainer_is_deployed_beside_the_gateway():
     alerts = [r["alert"] for g in find(objs, "PrometheusRule")[0]["spec"]["groups"] for r in g["rules"]]
     assert "SwiftKVTrainingJobFailed" in alerts
 
-    small = render(ROOT / "deploy/helm/presets/cpu-small.yaml")  # SQLite: the trainer's own file on its PVC
+    small = render(ROOT / "deploy/helm/presets/cpu-small.yaml")  # SQLite: the gateway's file on its files volume
     c = find(small, "Deployment", "trainer")[0]["spec"]["template"]["spec"]["containers"][0]
-    assert "SWIFTKV_TRAINER_DATABASE_URL" not in {e["name"] for e in c["env"]}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["SWIFTKV_TRAINER_DATABASE_URL"] == f"sqlite:///{files_dir.removesuffix('/files')}/swiftkv.db"
+    # the gateway's quota and expiry, null included; several nodes on a ReadWriteMany volume: no affinity needed
+    shared = render(None, "--set", "batchStore.persistence.accessModes={ReadWriteMany}", "--set", "platform.batch.max_storage_bytes_per_key=null",
+                    "--set", "platform.batch.file_expiry_seconds=7200")
+    pod = find(shared, "Deployment", "trainer")[0]["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert (env["SWIFTKV_TRAINER_MAX_STORAGE_BYTES_PER_KEY"], env["SWIFTKV_TRAINER_FILE_EXPIRY_SECONDS"]) == ("null", "7200")
+    assert "affinity" not in pod
+    proc = run(tool("helm"), "template", "swiftkv", CHART, "--set", "batchStore.persistence.enabled=false", check=False)
+    assert proc.returncode != 0 and "batchStore.persistence" in proc.stderr and "trainer.enabled=false" in proc.stderr, proc.stderr
 
     off = render(None, "--set", "trainer.enabled=false")
     assert not [o for o in off if "trainer" in o["metadata"]["name"]]

@@ -3,6 +3,8 @@ README.md are checked by what their fence and first line say:
 
 - ```yaml whose first line is `# platform.yaml`: a whole platform config (`swiftkv serve --config`), validated by
   services.config.PlatformConfig.
+- ```yaml whose first line is `# keys.yaml`: an API keys file (`--api-keys-file`), validated by
+  services.common.keys.parse_keys_file.
 - ```yaml whose first line is `# values.yaml`: Helm values for deploy/helm/swiftkv, merged over the chart's
   values.yaml as `helm install -f` merges them, then validated against its values.schema.json.
 - ```bash, ```sh, ```shell and ```console (there, only lines starting with `$ `): every command line that runs
@@ -38,6 +40,7 @@ if str(ROOT) not in sys.path:  # docs.generate lives beside the packages, like l
 from docs.generate import PAGES, cli, helm_values, http_api  # noqa: E402
 
 PLATFORM_MARK, VALUES_MARK, PYTHON_MARK, SKIP_MARK = "# platform.yaml", "# values.yaml", "# runs against the platform", "# not checked"
+KEYS_MARK = "# keys.yaml"
 SHELLS = {"bash", "sh", "shell", "console"}
 EXAMPLE_MODEL = "swiftkv-smollm2"  # the embedded default config's public name, which the examples use
 EXAMPLE_ADDRESSES = ("http://localhost:8000", "http://127.0.0.1:8000")
@@ -95,6 +98,13 @@ def test_platform_yaml_examples_are_valid_configs(block):
     from services.config import PlatformConfig
 
     PlatformConfig.model_validate(yaml.safe_load(block.text))
+
+
+@pytest.mark.parametrize("block", marked("yaml", KEYS_MARK))
+def test_keys_yaml_examples_are_valid_keys_files(block):
+    from services.common.keys import parse_keys_file
+
+    assert parse_keys_file(block.text, str(block))
 
 
 def helm_merge(base: dict, override: dict) -> dict:

@@ -184,7 +184,8 @@ def report(name: str, counts: dict, failures: list, took: float) -> None:
 def test_gateway_schema_fuzzing(gateway):
     t0 = time.time()
     doc = httpx.get(f"{gateway}/openapi.json").json()
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/v1/files", "/v1/batches"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/v1/files", "/v1/batches",
+                 "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items"):
         assert path in doc["paths"], path
     assert doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     counts, failures, sent_types = fuzz(gateway, {"Authorization": f"Bearer {KEY}"}, [PUBLIC, f"{PUBLIC}-base"])

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from harness import FakeBackend
 
+from services.common import bodies
 from services.common.errors import APIError
 from services.common.keys import KeyStore, digest
 from services.config import PlatformConfig
@@ -122,8 +123,8 @@ def decoding_threads(monkeypatch) -> list[str]:
     """The thread each JSON decoding and each schema validation of a body ran on, in order."""
     threads: list[str] = []
     loads, parse = json.loads, admission.parse
-    monkeypatch.setattr(admission, "json", NS(loads=lambda *a: threads.append(current_thread().name) or loads(*a),
-                                              detect_encoding=json.detect_encoding))
+    monkeypatch.setattr(bodies, "json", NS(loads=lambda *a: threads.append(current_thread().name) or loads(*a),
+                                           detect_encoding=json.detect_encoding))
     monkeypatch.setattr(admission, "parse", lambda *a: threads.append(current_thread().name) or parse(*a))
     return threads
 
@@ -409,7 +410,7 @@ async def test_an_engine_that_fails_a_request_is_a_500_not_a_finish_reason():
     finish_reason "error"; its own server answers 500. So does the backend here; logprobs of -inf are floored."""
     class LLM:
         async def generate(self, prompt, params, request_id, priority=0):
-            yield NS(outputs=[NS(index=0, text="", token_ids=[], finish_reason="error", logprobs=None)], metrics=None)
+            yield NS(outputs=[NS(index=0, text="", token_ids=[], finish_reason="error", logprobs=None)], metrics=None, num_cached_tokens=0)
 
     engine = VLLMEngine("base", "m", "m", {}, warmup=False)
     engine.llm = LLM()

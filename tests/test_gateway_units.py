@@ -487,9 +487,9 @@ def test_a_retry_routes_on_the_expected_output_of_the_first_choice(tiny_base):
     policy = served.gateway.policy
     decide, routed = policy.decide, []
 
-    def recorded(prompt_tokens, expected_output, pools, pinned=None, blocks=()):
+    def recorded(prompt_tokens, expected_output, pools, pinned=None, blocks=(), unspeculated=False):
         routed.append((prompt_tokens, expected_output))
-        return decide(prompt_tokens, expected_output, pools, pinned, blocks)
+        return decide(prompt_tokens, expected_output, pools, pinned, blocks, unspeculated)
 
     policy.decide = recorded
 

@@ -149,8 +149,8 @@ def test_print_config_prints_the_embedded_default_with_flags():
     assert r.exit_code == 0, r.output
     printed = yaml.safe_load(r.output)
     assert printed["port"] == 9123 and printed["host"] == "0.0.0.0"
-    # the embedded default speculates on both pools (on this CPU both can)
-    assert {name: p["speculative"]["method"] for name, p in printed["pools"].items()} == {"swiftkv": "ngram", "base": "ngram"}
+    # the embedded default speculates on its base pool; the SwiftKV pool serves what speculation excludes (logit_bias)
+    assert {name: p["speculative"]["method"] for name, p in printed["pools"].items()} == {"swiftkv": "none", "base": "ngram"}
     expected = load_config(None, {"port": 9123, "host": "0.0.0.0"}).model_dump(mode="json")
     got = PlatformConfig.model_validate(printed).model_dump(mode="json")
     # where the SwiftKV model is prepared on this CPU both pools run it dual-mode (services.platform.default_dual_mode)
@@ -164,21 +164,27 @@ def test_print_config_prints_the_embedded_default_with_flags():
 
 
 def test_the_default_turns_speculation_off_only_where_a_pool_cannot_speculate(tiny_base, tiny_swiftkv, monkeypatch, capsys):
-    """On a GPU the embedded default's SwiftKV pool serves without speculation (with a warning) instead of refusing to
-    start; the base pool keeps it; on a CPU both keep it. A config file's settings are never changed: refused instead."""
+    """The embedded default speculates on its base pool, on CPUs and GPUs. A pool the default asks to speculate where this
+    machine cannot (a SwiftKV model on a GPU) serves without speculation (with a warning) instead of refusing to start; on
+    a CPU it keeps it. A config file's settings are never changed: refused instead."""
     import swiftkv_core.hardware as hardware
     from services.platform import default_speculation
 
-    def default_on(on_cpu: bool) -> PlatformConfig:
+    def default_on(on_cpu: bool, swiftkv_speculates: bool = False) -> PlatformConfig:
         cfg = load_config(None)
         cfg.pools["swiftkv"].model, cfg.pools["base"].model = str(tiny_swiftkv), str(tiny_base)
+        if swiftkv_speculates:
+            cfg.pools["swiftkv"].speculative = cfg.pools["base"].speculative
         monkeypatch.setattr(hardware, "vllm_on_cpu", lambda: on_cpu)  # the machine's kind, not the code under test
         default_speculation(cfg)
         return cfg
 
-    cpu = default_on(True)
+    for on_cpu in (True, False):
+        cfg = default_on(on_cpu)
+        assert (cfg.pools["swiftkv"].speculative.method, cfg.pools["base"].speculative.method) == ("none", "ngram")
+    cpu = default_on(True, swiftkv_speculates=True)
     assert cpu.pools["swiftkv"].speculative.method == cpu.pools["base"].speculative.method == "ngram"
-    gpu = default_on(False)
+    gpu = default_on(False, swiftkv_speculates=True)
     assert (gpu.pools["swiftkv"].speculative.method, gpu.pools["base"].speculative.method) == ("none", "ngram")
     assert "pool swiftkv: speculative decoding off on this machine (pools.swiftkv.speculative: pool swiftkv serves the SwiftKV model" \
         in capsys.readouterr().out
@@ -225,6 +231,8 @@ def test_chart_carries_speculative_per_pool():
     base_args = next(a for name, a in server_args.items() if name.endswith("base"))
     assert json.loads(base_args[base_args.index("--speculative-config") + 1]) == NGRAM
     assert not any("--speculative-config" in a for name, a in server_args.items() if name.endswith("swiftkv"))
+    # every server reports the prompt tokens it read from its prefix cache (usage.prompt_tokens_details.cached_tokens)
+    assert all("--enable-prompt-tokens-details" in a for a in server_args.values())
     gateway_cfg = load_config_text(find(objs, "ConfigMap", "platform")[0]["data"]["platform.yaml"])
     assert all(p.speculation is None for p in gateway_cfg.pools.values())
 

@@ -72,7 +72,8 @@ async def test_keys_are_required_and_each_key_sees_only_its_own(make_app, monkey
     monkeypatch.setenv("SWIFTKV_API_KEYS", f"{KEY_A},{KEY_B}")  # the gateway's variable
     app = make_app()
     async with client(app) as anon, client(app, "sk-wrong") as wrong, client(app, KEY_A) as a, client(app, KEY_B) as b:
-        routes = [("post", "/v1/files"), ("get", "/v1/files/file-x"), ("get", "/v1/files/file-x/content"),
+        routes = [("post", "/v1/files"), ("get", "/v1/files"), ("get", "/v1/files/file-x"), ("get", "/v1/files/file-x/content"),
+                  ("delete", "/v1/files/file-x"),
                   ("post", "/v1/fine_tuning/jobs"), ("get", "/v1/fine_tuning/jobs"), ("get", "/v1/fine_tuning/jobs/ftjob-x"),
                   ("get", "/v1/fine_tuning/jobs/ftjob-x/events"), ("get", "/v1/fine_tuning/jobs/ftjob-x/checkpoints"),
                   ("post", "/v1/fine_tuning/jobs/ftjob-x/cancel"), ("post", "/v1/fine_tuning/jobs/ftjob-x/pause"),
@@ -95,6 +96,8 @@ async def test_keys_are_required_and_each_key_sees_only_its_own(make_app, monkey
             assert (await a.get(path)).status_code == 200, path
         for verb in ("pause", "resume", "cancel"):
             refused(await b.post(f"/v1/fine_tuning/jobs/{job_id}/{verb}"), 404)
+        refused(await b.delete(f"/v1/files/{file_id}"), 404)
+        assert (await b.get("/v1/files")).json()["data"] == [] and [f["id"] for f in (await a.get("/v1/files")).json()["data"]] == [file_id]
         assert (await b.get("/v1/fine_tuning/jobs")).json()["data"] == []
         assert [j["id"] for j in (await a.get("/v1/fine_tuning/jobs")).json()["data"]] == [job_id]
         assert refused(await b.post("/v1/fine_tuning/jobs", json=job(training_file=file_id)), 400, "training_file")["code"] == "file_not_found"

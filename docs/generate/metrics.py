@@ -10,7 +10,8 @@ from prometheus_client.metrics import MetricWrapperBase
 from .markdown import banner, code, docstring, table
 
 # Every module that defines platform metrics (tests/test_docs.py checks that no other module does).
-METRIC_MODULES = ("services.gateway.metrics", "services.batch.metrics", "services.training.metrics", "services.serving.replicas")
+METRIC_MODULES = ("services.gateway.metrics", "services.batch.metrics", "services.training.metrics", "services.serving.replicas",
+                  "services.common.keys")
 SUFFIX = {"counter": "_total"}  # what prometheus_client appends to a counter's name in the exposition
 
 

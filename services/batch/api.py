@@ -1,4 +1,5 @@
-"""OpenAI's Files and Batch routes, same shapes, so the official `openai` SDK works unchanged.
+"""OpenAI's Files and Batch routes, same shapes, so the official `openai` SDK works unchanged. The Files routes are the
+platform's one Files API (services.common.files_api), which the trainer mounts too.
 
 Every route authenticates like the rest of the gateway; a key sees only its own files and batches
 (another key's ids answer 404). Bodies and query parameters are parsed here, so every refusal is a 4xx
@@ -10,44 +11,28 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
-from sqlalchemy.exc import OperationalError
-from starlette.responses import FileResponse
 
+from services.common import files_api
 from services.common.errors import APIError, bad_request, not_found
-from services.common.files import file_object
 from services.common.ids import ID, new_id
 from services.common.pagination import cursor, int_param, only_query, page
-from services.common.uploads import EXPIRY_FIELDS, EXPIRY_SECONDS, receive_upload
 from services.common.validation import check_metadata, choice, describe
 
 from .batch_input import ENDPOINTS
 from .store import TooManyActive
 
-PURPOSES = ("batch", "fine-tune")
-LISTED_PURPOSES = (*PURPOSES, "batch_output", "fine-tune-results")  # uploads, and the files the services write
 BATCH_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata"}
 
 
 def openapi_operations(windows: list[str]) -> dict:
     """What the routes below accept, for the gateway's /openapi.json (they parse their own requests)."""
-    from services.common.openapi import json_body, page_params, query, upload_body
-
-    upload = upload_body(list(PURPOSES))
-    form = upload["content"]["multipart/form-data"]["schema"]
-    form["additionalProperties"] = False
-    form["properties"] |= {"expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
-                           "expires_after[seconds]": {"type": "integer", "minimum": EXPIRY_SECONDS[0], "maximum": EXPIRY_SECONDS[1]}}
-    form["dependentRequired"] = {EXPIRY_FIELDS[0]: [EXPIRY_FIELDS[1]], EXPIRY_FIELDS[1]: [EXPIRY_FIELDS[0]]}
+    from services.common.openapi import json_body, page_params
 
     def pages(high: int) -> list[dict]:
         params = page_params(high)
         params[0]["schema"]["pattern"] = f"^{ID.pattern}$"  # `after`
         return params
-    return {
-        ("post", "/v1/files"): {"summary": "Upload a file", "requestBody": upload},
-        ("get", "/v1/files"): {"summary": "List files", "parameters": [
-            query("purpose", {"type": "string", "enum": list(LISTED_PURPOSES)}), query("order", {"type": "string", "enum": ["asc", "desc"]}),
-            *pages(10000)]},
+    return files_api.openapi_operations() | {
         ("post", "/v1/batches"): {"summary": "Create a batch", "requestBody": json_body({
             "type": "object", "additionalProperties": False, "required": ["input_file_id", "endpoint", "completion_window"],
             "properties": {"input_file_id": {"type": "string", "minLength": 1}, "endpoint": {"type": "string", "enum": list(ENDPOINTS)},
@@ -67,73 +52,24 @@ def batch_object(b: dict) -> dict:
         "error_file_id": b["error_file_id"], **times,
         "request_counts": {"total": b["total"], "completed": b["completed"], "failed": b["failed"]},
         "metadata": b["metadata"],
-        "usage": {"input_tokens": b["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+        "usage": {"input_tokens": b["prompt_tokens"], "input_tokens_details": {"cached_tokens": b.get("cached_tokens") or 0},
                   "output_tokens": b["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": b["prompt_tokens"] + b["completion_tokens"]},
     }
 
 
 def build_router(service) -> APIRouter:
-    store, files, cfg, gateway = service.store, service.files, service.cfg, service.gateway
-    records = service.records
+    store, cfg, gateway, file_api = service.store, service.cfg, service.gateway, service.file_api
     router = APIRouter()
 
     def owner(request: Request) -> str:
         return gateway.keys.identify(request.headers.get("authorization"))
 
-    async def db(fn, *args):
-        try:
-            return await service.io(fn, *args)
-        except OperationalError as e:  # the database is down or unreachable: the client may retry
-            raise APIError(503, f"the batch store is unavailable: {type(e.orig).__name__ if e.orig else e}; try again shortly",
-                           "server_error", code="unavailable")
-
-    # ---- files -----------------------------------------------------------------------------------
-    @router.post("/v1/files")
-    async def upload(request: Request):
-        return await receive_upload(request, owner(request), PURPOSES, cfg.max_file_bytes, files, store.files, db, service.io,
-                                    records, cfg.max_storage_bytes_per_key)
-
-    @router.get("/v1/files")
-    async def list_files(request: Request):
-        who = owner(request)
-        only_query(request, "purpose", "order", "after", "limit")
-        purpose = request.query_params.get("purpose")
-        if purpose is not None:
-            choice(purpose, "purpose", LISTED_PURPOSES)
-        order = choice(request.query_params.get("order", "desc"), "order", ("asc", "desc"))
-        limit = int_param(request, "limit", 10000, 1, 10000)
-        rows, more = await db(store.files.list_page, who, purpose, cursor(request), limit, order == "desc")
-        return page([file_object(f) for f in await db(records.with_expiry, rows)], more)
+    db = file_api.db
+    router.include_router(file_api.router(owner))  # the Files API: /v1/files...
 
     async def own_file(request: Request, file_id: str, param: str | None = None) -> dict:
-        """The key's file, unless it has expired (the sweep may not have deleted it yet)."""
-        who = owner(request)
-        f = await db(records.get, who, file_id) if ID.fullmatch(file_id) else None
-        if f is None:
-            raise not_found("file", file_id, param)
-        return f
-
-    @router.get("/v1/files/{file_id}")
-    async def get_file(request: Request, file_id: str):
-        return file_object(await own_file(request, file_id))
-
-    @router.get("/v1/files/{file_id}/content")
-    async def file_content(request: Request, file_id: str):
-        f = await own_file(request, file_id)
-        path = files.path(f["id"])
-        if not path.exists():
-            raise APIError(404, f"the contents of {file_id} are missing from the file store", code="file_not_found")
-        return FileResponse(path, media_type="application/octet-stream", filename=f["filename"])
-
-    @router.delete("/v1/files/{file_id}")
-    async def delete_file(request: Request, file_id: str):
-        f = await own_file(request, file_id)
-        if await db(store.file_in_use, f["id"]):
-            raise APIError(409, f"{file_id} is the input of a batch that is still running; cancel the batch first",
-                           param="file_id", code="file_in_use")
-        await db(records.remove, f["owner"], f["id"])
-        return {"id": f["id"], "object": "file", "deleted": True}
+        return await file_api.own(owner(request), file_id, param)
 
     # ---- batches ---------------------------------------------------------------------------------
     @router.post("/v1/batches")

@@ -14,7 +14,7 @@ from pathlib import Path
 from services.common.uploads import jsonl_lines
 from services.common.validation import MAX_JSON_DEPTH, too_deep
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses"}
 MAX_REPORTED_ERRORS = 100  # a file with thousands of bad lines fails with the first ones named
 
 

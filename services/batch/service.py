@@ -7,7 +7,7 @@ import logging
 from contextlib import suppress
 from pathlib import Path
 
-from services.common.files import FileRecords, FileStore
+from services.common.files_api import FilesService
 from services.common.threads import Threads
 from services.config import PlatformConfig
 
@@ -30,10 +30,12 @@ class BatchService:
         self.cfg = cfg.batch
         self.redis_url, self.redis_prefix = cfg.redis_url, cfg.redis_prefix
         self.store = BatchStore(cfg.database_url or f"sqlite:///{data_dir / 'swiftkv.db'}")
-        self.files = FileStore(data_dir / "files")
         self.io = Threads()
-        expiry = self.cfg.file_expiry_seconds
-        self.records = FileRecords(self.store, self.files, {"batch": expiry, "batch_output": expiry} if expiry else {})
+        # the platform's Files API, on the bytes and rows the trainer shares (its files_dir: this data_dir's files/)
+        self.file_api = FilesService(self.store, data_dir / "files", self.io, max_file_bytes=self.cfg.max_file_bytes,
+                                     quota=self.cfg.max_storage_bytes_per_key, expiry_seconds=self.cfg.file_expiry_seconds,
+                                     body_timeout=cfg.limits.body_timeout_seconds, what="the batch store")
+        self.files, self.records = self.file_api.contents, self.file_api.records
         self._tasks: list[asyncio.Task] = []
 
     def attach(self, gateway: HostGateway) -> None:

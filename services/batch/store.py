@@ -64,6 +64,8 @@ batches = Table(
     Column("failed", Integer, nullable=False, default=0),
     Column("prompt_tokens", BigInteger, nullable=False, default=0),
     Column("completion_tokens", BigInteger, nullable=False, default=0),
+    # of prompt_tokens, those the engines read from their prefix caches (the lines' usage.prompt_tokens_details)
+    Column("cached_tokens", BigInteger, nullable=False, default=0, server_default="0"),
     Column("lease_owner", String(128)),
     Column("lease_until", Float),
     # failed attempts at processing the batch since its last finished line (the runner gives up at batch.max_attempts)
@@ -241,6 +243,9 @@ class BatchStore:
         must not count twice)."""
         ok = status_code == 200
         usage = body.get("usage") if ok and isinstance(body.get("usage"), dict) else {}
+        if "input_tokens" in usage:  # a /v1/responses line's usage, in the Responses API's names
+            usage = {"prompt_tokens": usage["input_tokens"], "completion_tokens": usage.get("output_tokens", 0),
+                     "prompt_tokens_details": usage.get("input_tokens_details")}
         counter = batches.c.completed if ok else batches.c.failed
         try:
             with self.engine.begin() as conn:
@@ -250,6 +255,7 @@ class BatchStore:
                     batches.c.attempts: 0,  # progress: the failures before it were not the batch's fault
                     batches.c.prompt_tokens: batches.c.prompt_tokens + int(usage.get("prompt_tokens", 0)),
                     batches.c.completion_tokens: batches.c.completion_tokens + int(usage.get("completion_tokens", 0)),
+                    batches.c.cached_tokens: batches.c.cached_tokens + int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
                 })).rowcount == 1
                 if not counted:
                     return False

@@ -1,7 +1,8 @@
-"""Files as the OpenAI Files API has them, for every service that takes uploads: their contents in a directory (a
-PVC in a cluster; one file per id, written atomically), their rows in the service's database (`FileRows`, the
+"""Files as the OpenAI Files API has them, for every service that takes uploads (the gateway's Batch API and the
+trainer mount one Files API, services.common.files_api): their contents in one directory both services reach (a
+PVC both pods mount in a cluster; one file per id, written atomically), their rows in one database (`FileRows`, the
 file-records store each service's store holds), and what the rows do not say (`FileRecords`): when each file
-expires and how many bytes each key holds."""
+expires, how many bytes each key holds, and which files a job of any service still reads."""
 
 from __future__ import annotations
 
@@ -10,7 +11,24 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Iterable, Protocol
 
-from sqlalchemy import BigInteger, Column, MetaData, String, Table, case, delete, func, insert, null, or_, select, text
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    MetaData,
+    String,
+    Table,
+    case,
+    column,
+    delete,
+    func,
+    insert,
+    inspect,
+    null,
+    or_,
+    select,
+    table,
+    text,
+)
 from sqlalchemy.engine import Connection, Engine
 
 from .database import open_database, select_page
@@ -48,6 +66,23 @@ reservations = Table(
     Column("updated_at", BigInteger, nullable=False),
 )
 RESERVATION_SECONDS = 600
+
+# Jobs that read a file after they were created, as every service on the database sees them: a batch reads its input
+# file until it ends (services.batch.store's ACTIVE statuses; a test holds the two together). Declared here by table and
+# column names, so that a service that shares the file table but not the Batch API's code (the trainer) refuses to
+# delete a running batch's input, and its sweep passes it by, as the gateway does. A training job reads its files only
+# while it is created (it copies them into its run folder), so it holds none.
+FILE_READERS = (("swiftkv_batches", "input_file_id", "status", ("validating", "in_progress", "finalizing", "cancelling")),)
+
+# Bytes that other stored objects (the gateway's stored responses) hold against their key's quota, beside its files:
+# one row per object, counted until it expires (`expires_at`, null: never) or its store deletes it.
+held = Table(
+    "swiftkv_held_bytes", metadata,
+    Column("object_id", String(64), primary_key=True),
+    Column("owner", String(64), nullable=False, index=True),
+    Column("bytes", BigInteger, nullable=False),
+    Column("expires_at", BigInteger, index=True),
+)
 QUOTA_LOCK = 7263515  # PostgreSQL advisory lock space of the per-key quota locks (database.SCHEMA_LOCK is another key)
 
 
@@ -186,7 +221,7 @@ class FileHolder(Protocol):
 
     files: FileRows
 
-    def file_in_use(self, file_id: str) -> bool: ...
+    def file_in_use(self, file_id: str) -> bool: ...  # by the store's own jobs
 
 
 class FileRecords:
@@ -202,6 +237,7 @@ class FileRecords:
                        else_=null()) if default_seconds else null()
         self.expires_at = func.coalesce(expiry.c.expires_at, default)
         self.sums = select(func.coalesce(func.sum(files.c.bytes), 0)).select_from(self.joined)
+        self.readers: dict[str, object] = {}  # FILE_READERS tables found in the database (a service may create one later)
 
     def default_expiry(self, purpose: str, created_at: int) -> int | None:
         seconds = self.default_seconds.get(purpose)
@@ -217,6 +253,13 @@ class FileRecords:
                                .where(files.c.id == file_id, files.c.owner == owner, self.live())).mappings().first()
         return dict(row) if row else None
 
+    def list_page(self, owner: str, purpose: str | None, after: str | None, limit: int, descending: bool) -> tuple[list[dict], bool]:
+        """The key's files that have not expired (of one purpose, when given), with their `expires_at`, a page at a time."""
+        q = select(files, self.expires_at.label("expires_at")).select_from(self.joined).where(files.c.owner == owner, self.live())
+        if purpose:
+            q = q.where(files.c.purpose == purpose)
+        return select_page(self.engine, files, q, after, limit, descending)
+
     def with_expiry(self, rows: list[dict]) -> list[dict]:
         """Store rows (a listed page) with their `expires_at`."""
         if not rows:
@@ -227,15 +270,17 @@ class FileRecords:
         return [r | {"expires_at": when.get(r["id"])} for r in rows]
 
     def used(self, owner: str, conn: Connection | None = None) -> int:
-        """Bytes of the key's files that have not expired (uploads and batch output alike) and of its uploads still
-        streaming."""
+        """Bytes of the key's files that have not expired (uploads and batch output alike), of its uploads still
+        streaming and of its other stored objects (`held`: stored responses)."""
         if conn is None:
             with self.engine.connect() as conn:
                 return self.used(owner, conn)
         stored = conn.execute(self.sums.where(files.c.owner == owner, self.live())).scalar_one()
         streaming = conn.execute(select(func.coalesce(func.sum(reservations.c.bytes), 0)).where(
             reservations.c.owner == owner, reservations.c.updated_at > int(time.time()) - RESERVATION_SECONDS)).scalar_one()
-        return int(stored) + int(streaming)
+        others = conn.execute(select(func.coalesce(func.sum(held.c.bytes), 0)).where(
+            held.c.owner == owner, or_(held.c.expires_at.is_(None), held.c.expires_at > int(time.time())))).scalar_one()
+        return int(stored) + int(streaming) + int(others)
 
     @staticmethod
     def lock_quota(conn: Connection, owner: str) -> None:
@@ -273,6 +318,22 @@ class FileRecords:
             if quota is not None and (used := self.used(record["owner"], conn)) > quota:
                 raise QuotaExceeded(used - record["bytes"], quota)
 
+    def in_use(self, file_id: str) -> bool:
+        """Whether a job of any service on the database still reads the file (FILE_READERS, and the store's own)."""
+        if self.store.file_in_use(file_id):
+            return True
+        with self.engine.connect() as conn:
+            for name, file_column, status_column, active in FILE_READERS:
+                if name not in self.readers:
+                    if not inspect(conn).has_table(name):
+                        continue
+                    self.readers[name] = table(name, column(file_column), column(status_column))
+                t = self.readers[name]
+                q = select(t.c[file_column]).where(t.c[file_column] == file_id, t.c[status_column].in_(active)).limit(1)
+                if conn.execute(q).first() is not None:
+                    return True
+        return False
+
     def remove(self, owner: str, file_id: str) -> None:
         """The row, its expiry and the contents (the contents last: a file is never listed without them)."""
         if self.store.files.delete(owner, file_id):
@@ -281,14 +342,15 @@ class FileRecords:
             conn.execute(delete(expiry).where(expiry.c.file_id == file_id))
 
     def sweep(self, limit: int = 1000) -> int:
-        """Remove up to `limit` expired files (one the store's jobs still read, the input of a batch still running,
-        waits for them to end), abandoned part files and holds; returns how many files went."""
+        """Remove up to `limit` expired files, rows and bytes together (one a job still reads, the input of a batch still
+        running, waits for it to end), abandoned part files and holds; returns how many files went. Every service on the
+        database may sweep: a file two sweeps find is removed once."""
         with self.engine.connect() as conn:
             due = conn.execute(select(files.c.id, files.c.owner).select_from(self.joined)
                                .where(self.expires_at <= int(time.time())).order_by(self.expires_at).limit(limit)).all()
         removed = 0
         for file_id, owner in due:
-            if not self.store.file_in_use(file_id):
+            if not self.in_use(file_id):
                 self.remove(owner, file_id)
                 removed += 1
         self.contents.remove_stale_parts(STALE_PART_SECONDS)

@@ -34,8 +34,11 @@ def too_large(what: str, max_bytes: int) -> APIError:
     return APIError(413, f"{what}; files are limited to {max_bytes} bytes", param="file", code="file_too_large", headers=CLOSE)
 
 
-def over_quota(what: str, used: int, quota: int) -> APIError:
-    return APIError(413, f"{what}; this key's files and uploads in progress hold {used} of its {quota} bytes (batch.max_storage_bytes_per_key): delete "
+QUOTA_SETTING = "batch.max_storage_bytes_per_key"  # the gateway's name of the quota; the trainer's is its own
+
+
+def over_quota(what: str, used: int, quota: int, setting: str = QUOTA_SETTING) -> APIError:
+    return APIError(413, f"{what}; this key's files and uploads in progress hold {used} of its {quota} bytes ({setting}): delete "
                     "files or let them expire", param="file", code="storage_quota_exceeded", headers=CLOSE)
 
 
@@ -153,13 +156,14 @@ async def arriving(stream: AsyncIterator[bytes], seconds: float) -> AsyncIterato
 
 async def receive_upload(request: Request, who: str, purposes: tuple[str, ...], max_bytes: int, files: FileStore, rows: FileRows,
                          db, io, records: FileRecords | None = None, quota: int | None = None,
-                         body_timeout: float = BODY_TIMEOUT) -> dict:
-    """`POST /v1/files` (multipart `file` and `purpose`; with `records`, OpenAI's `expires_after` too) for the Batch
-    API and the trainer. The body is parsed as it arrives (`arriving`: within `body_timeout`) and the file's bytes go
+                         body_timeout: float = BODY_TIMEOUT, quota_setting: str = QUOTA_SETTING) -> dict:
+    """`POST /v1/files` (multipart `file` and `purpose`; with `records`, OpenAI's `expires_after` too), as the Files API
+    (services.common.files_api) of the gateway and the trainer takes it. The body is parsed as it arrives (`arriving`: within `body_timeout`) and the file's bytes go
     straight into the file store, counted: past `max_bytes`, or past what is left of the key's `quota` (with
     `records`), the reading stops with a 413. While it streams, the upload holds the bytes it declared, or has
     written, against the quota (`FileRecords.reserve`), so uploads of a key running at once never hold more than the
-    quota between them. Then the record into the file rows (`records` when given); a refused or failed upload leaves neither.
+    quota (named `quota_setting` in the 413) between them. Then the record into the file rows (`records` when given); a
+    refused or failed upload leaves neither.
     `db` and `io` run a blocking call of the rows and of the file store. The File object."""
     file_id = new_id("file-")
     held = 0  # bytes of the key's files and its other uploads, as of the upload's last hold
@@ -168,7 +172,7 @@ async def receive_upload(request: Request, who: str, purposes: tuple[str, ...], 
         return max_bytes if quota is None else min(max_bytes, quota - held)
 
     def refused(what: str) -> APIError:
-        return too_large(what, max_bytes) if room() == max_bytes else over_quota(what, held, quota)
+        return too_large(what, max_bytes) if room() == max_bytes else over_quota(what, held, quota, quota_setting)
 
     async def hold(size: int) -> None:
         nonlocal held
@@ -231,7 +235,7 @@ async def receive_upload(request: Request, who: str, purposes: tuple[str, ...], 
             else:
                 await db(records.add, record, chosen, quota)  # ends the hold
         except QuotaExceeded as e:  # batch output (never refused) took the room meanwhile
-            raise over_quota(f"the file is {size} bytes", e.used, e.quota) from None
+            raise over_quota(f"the file is {size} bytes", e.used, e.quota, quota_setting) from None
     except BaseException:  # no record, no contents, no hold
         if part is not None:
             await io(part.discard)

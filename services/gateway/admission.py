@@ -6,8 +6,6 @@ The result is an `AdmittedRequest`; any refusal is an APIError in OpenAI's envel
 
 from __future__ import annotations
 
-import asyncio
-import json
 import secrets
 import time
 from collections import OrderedDict
@@ -16,6 +14,7 @@ from typing import Awaitable, Callable
 
 from fastapi import Request
 
+from services.common.bodies import BodyLimits, decode, receive
 from services.common.errors import APIError, bad_request
 from services.common.keys import KeyStore
 from services.config import RENAMED_POOLS, PlatformConfig
@@ -25,8 +24,8 @@ from . import constraints, metrics
 from .prompts import BATCHED_PROMPTS, Prompter
 from .rate_limits import RateLimiter, RedisRateLimiter
 from .render import ChatRender, CompletionRender, Renderer
-from .routing import Ewma, PoolState
-from .schemas import MAX_INT32, ChatCompletionRequest, CompletionRequest, check_tree, parse
+from .routing import Ewma, PoolState, speculation_excluded
+from .schemas import MAX_INT32, ChatCompletionRequest, CompletionRequest, parse
 from .tools import ToolCalls, parser_class
 
 # APIError codes -> the `reason` label of swiftkv_requests_rejected (others: invalid_request)
@@ -54,19 +53,9 @@ def count_rejection(error: APIError, source: str) -> None:
 # ones on the CPU pool (a hop of tens of microseconds), so up to limits.max_body_bytes of JSON (1 MB of tiny arrays:
 # 250 ms of decoding and checks) never stalls the other streams for the whole of it.
 SMALL_BODY_BYTES = 16 * 1024
-
-
-def decode(body: bytes) -> object:
-    """A JSON body's bytes -> its value, checked by `check_tree`; what is not JSON is a 400."""
-    try:
-        text = body.decode(json.detect_encoding(body))  # what json.loads(bytes) would decode
-        data = json.loads(text)
-    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise bad_request(f"malformed JSON body: {e}", code="invalid_json")
-    except RecursionError:
-        raise bad_request("the JSON body nests objects and arrays too deeply", code="invalid_json")
-    check_tree(data, text)
-    return data
+# A prompt from a body up to this size is built (template, tokenization) on the event loop: at most a few hundred
+# tokens, well under the cost of the hop to the CPU pool and back (which also wakes a thread per request); larger ones there.
+SMALL_PROMPT_BYTES = 2 * 1024
 
 
 def too_many(param: str, have: int, limit: int, what: str, setting: str) -> None:
@@ -119,6 +108,7 @@ class AdmittedRequest:
     estimate_output: bool  # no max_tokens: the answer's length updates the output estimate
     render: Renderer
     structured_param: str | None  # the request field its constraint came from: an engine's refusal names it
+    route: str = "chat"  # the API route it came in by (chat, completions, responses): the latency metrics' `route` label
 
     @property
     def prompt_tokens(self) -> int:
@@ -140,7 +130,8 @@ class Admission:
         lens = [p.max_model_len for p in pools.values() if p.max_model_len]
         self.max_model_len = min(lens) if lens else None
         self.max_prompt_tokens = cfg.limits.max_prompt_tokens or (self.max_model_len - 1 if self.max_model_len else None)
-        limits = (cfg.limits.requests_per_minute, cfg.limits.prompt_tokens_per_minute, cfg.limits.output_tokens_per_minute, keys.digests)
+        # `keys` itself, read per request: a reload of the keys file changes a key's limits from its next request
+        limits = (cfg.limits.requests_per_minute, cfg.limits.prompt_tokens_per_minute, cfg.limits.output_tokens_per_minute, keys)
         self.limiter = RedisRateLimiter(cfg.redis_url, *limits, prefix=cfg.redis_prefix) if cfg.redis_url else RateLimiter(*limits)
         # Output tokens per choice of the answers that ran to their own end: what a request without max_tokens expects.
         self.output_estimate = OutputEstimates(float(cfg.routing.default_output_estimate))
@@ -167,26 +158,8 @@ class Admission:
         admit(charged=True) then settles the prompt tokens to their count. A body above SMALL_BODY_BYTES is
         decoded on the CPU pool."""
         limits = self.cfg.limits
-        limit = limits.max_body_bytes
-        close = {"Connection": "close"}
-        declared = request.headers.get("content-length")
-        if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"request body is {declared} bytes; the limit is {limit} bytes (limits.max_body_bytes)",
-                           code="request_too_large", headers=close)
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async with asyncio.timeout(limits.body_timeout_seconds):
-                async for chunk in request.stream():
-                    chunks.append(chunk)
-                    size += len(chunk)
-                    if size > limit:
-                        raise APIError(413, f"request body exceeds the limit of {limit} bytes (limits.max_body_bytes)",
-                                       code="request_too_large", headers=close)
-        except TimeoutError:
-            raise APIError(408, f"request body not received within {limits.body_timeout_seconds:g} s "
-                                f"(limits.body_timeout_seconds)", code="request_timeout", headers=close) from None
-        body = b"".join(chunks)
+        body = await receive(request, BodyLimits(limits.max_body_bytes, limits.body_timeout_seconds))  # services.common.bodies
+        size = len(body)
         if identity is not None:
             await self.limiter.acquire(identity, size, 0)
         return await self.by_size(size, decode, body), size
@@ -197,6 +170,19 @@ class Admission:
         return fn(*args) if 0 < size <= SMALL_BODY_BYTES else await self.off_loop(fn, *args)
 
     # ---- checks ----------------------------------------------------------------------------------
+    def check_speculation(self, req: ChatCompletionRequest | CompletionRequest, pinned: str | None) -> None:
+        """logit_bias and min_p need an engine without speculative decoding (vLLM refuses them with it): a 400 naming the
+        field where no pool the request may go to has one; routing sends it to one that does (routing.py)."""
+        param = speculation_excluded(req)
+        if param is None or not all(self.pools[name].speculative for name in ([pinned] if pinned else self.pools)):
+            return
+        plain = [self.pools[name].served_model_name for name in self.pools if not self.pools[name].speculative]
+        where = (f"model '{req.model}' runs speculative decoding" if pinned else "every pool here runs speculative decoding")
+        fix = (f"send it to model '{self.cfg.model}' (routed to a pool without speculation) or '{plain[0]}'" if plain else
+               "an operator serves it by turning speculation off on one pool (pools.<name>.speculative: {method: none})")
+        raise bad_request(f"{param} is not served here: {where}, under which vLLM refuses logit_bias and min_p; {fix}",
+                          param=param)
+
     def resolve_model(self, name: str) -> str | None:
         """The pool a model name pins (None: the public name, routed); a 404 for a name not served here."""
         if name not in self.models:
@@ -332,6 +318,7 @@ class Admission:
                                   "(SwiftKV skips the later layers for prompt tokens)", param="echo")
         logprobs = req.logprobs_k()
         pinned = self.resolve_model(req.model)
+        self.check_speculation(req, pinned)
         self.check_priority(req, identity)
         self.check_token_ids(req)
         requested = req.output_limit()
@@ -342,7 +329,9 @@ class Admission:
         elif reserved is not None and self.limiter.limits(identity).get("output_tokens"):  # else nothing left to take
             await self.limiter.acquire(identity, 0, reserved, requests=0)
         try:
-            tools, prompt_ids, echo, structured, structured_param = await self.off_loop(self.build_prompt, req, kind, pinned)
+            tools, prompt_ids, echo, structured, structured_param = (
+                self.build_prompt(req, kind, pinned) if 0 < size <= SMALL_PROMPT_BYTES
+                else await self.off_loop(self.build_prompt, req, kind, pinned))
             max_tokens = self.output_tokens(len(prompt_ids), requested, "messages" if kind == "chat" else "prompt")
             if req.min_tokens > max_tokens:
                 raise bad_request(f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
@@ -361,7 +350,8 @@ class Admission:
         gen = GenerateRequest(secrets.token_hex(12), prompt_ids, sampling, priority=req.priority)
         render = (ChatRender if kind == "chat" else CompletionRender)(gen.request_id, req.model, int(time.time()), req.n,
                                                                       logprobs is not None, tools, echo)
-        return AdmittedRequest(identity, req, gen, pinned, expected, reserved, requested is None, render, structured_param)
+        return AdmittedRequest(identity, req, gen, pinned, expected, reserved, requested is None, render, structured_param,
+                               "chat" if kind == "chat" else "completions")
 
     async def release(self, admitted: AdmittedRequest) -> None:
         """Give back the output reservation of a request that will not be served (no pool can take it)."""

@@ -22,6 +22,8 @@ from services.common.openapi import document, json_body, ref
 from .http_limits import ConcurrencyCap
 from .pipeline import Gateway
 from .render import json_bytes
+from .responses import ResponsesRequest
+from .responses_api import ResponsesAPI
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
 
 __all__ = ["Gateway", "create_app"]
@@ -47,6 +49,9 @@ OPERATIONS = {
 def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool = False) -> FastAPI:
     """`extensions` (e.g. the Batch API) each bring a `router` and async `start()` / `stop()`. With
     `worker_header` (one of several worker processes) every response names its process: `x-swiftkv-worker: <pid>`."""
+    # the Responses API rides on the chat path: an extension of every gateway app, and the Batch API's /v1/responses lines
+    gateway.responses = ResponsesAPI(gateway)
+    extensions = [gateway.responses, *extensions]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -55,19 +60,31 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
             await starting  # worker would take connections from ready ones and answer them 503
         for ext in extensions:
             await ext.start()
+        gateway.keys.start_watching()  # this process's keys follow the keys file (its changes, SIGHUP)
         try:
             yield
         finally:
+            await gateway.keys.stop_watching()
             for ext in reversed(extensions):
                 await ext.stop()
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
             await gateway.stop()
 
+    # The two hot routes parse their own bodies (to answer with OpenAI's envelope) and are served by HotRoutes, past
+    # FastAPI's routing, dependency and body machinery, which would only add latency; the router keeps them for
+    # /openapi.json and for other methods on their paths (a 405).
+    async def chat(request: Request):
+        return await gateway.handle(request, "chat")
+
+    async def completions(request: Request):
+        return await gateway.handle(request, "completion")
+
     app = FastAPI(title="SwiftKV gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.gateway = gateway
+    app.add_middleware(HotRoutes, routes={"/v1/chat/completions": chat, "/v1/completions": completions})  # inside the cap
     app.add_middleware(ConcurrencyCap, limit=gateway.cfg.limits.max_concurrent_requests,
-                       paths=("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"))
+                       paths=("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize"))
     if worker_header:
         app.add_middleware(WorkerHeader)
 
@@ -122,13 +139,6 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
                 for name, pool in gateway.admission.models.items()]
         return {"object": "list", "data": data}
 
-    # The two hot routes are plain Starlette endpoints: they parse their own bodies (to answer with
-    # OpenAI's envelope), so FastAPI's dependency and body machinery would only add latency.
-    async def chat(request: Request):
-        return await gateway.handle(request, "chat")
-
-    async def completions(request: Request):
-        return await gateway.handle(request, "completion")
 
     # vLLM's tokenizer routes and version, for tools that probe them (same shapes as vLLM's server). Like the
     # generation routes: under the concurrency cap, charged to the key's requests and the body's bytes (as prompt
@@ -198,7 +208,7 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
     for ext in extensions:
         app.include_router(ext.router)
         operations.update(getattr(ext, "openapi_operations", {}))
-    schemas = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+    schemas = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest]
     app.openapi = lambda: document(app, operations, schemas, bearer=gateway.keys.enabled, public=("/health", "/ready", "/metrics", "/version"))
     return app
 
@@ -216,6 +226,26 @@ def serving_version() -> str:
         except importlib.metadata.PackageNotFoundError:
             continue
     return "unknown"  # a source checkout that was never installed, without vLLM
+
+
+class HotRoutes:
+    """ASGI middleware: POSTs to the generation routes go straight to their endpoints (`routes`: path -> endpoint taking
+    the Request), past Starlette's router and exception middleware (an unexpected error still reaches the app's handler
+    of last resort: a 500 in OpenAI's envelope); everything else goes on to the app."""
+
+    def __init__(self, app, routes: dict):
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        endpoint = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if endpoint is None:
+            return await self.app(scope, receive, send)
+        try:
+            response = await endpoint(Request(scope, receive, send))
+        except APIError as e:
+            response = e.response()
+        await response(scope, receive, send)
 
 
 class WorkerHeader:

@@ -17,7 +17,7 @@ from services.serving.backend import BackendDown, GenerateRequest, Output
 from . import metrics
 from .admission import AdmittedRequest, OutputEstimates
 from .rate_limits import RateLimiter
-from .routing import Decision, NoPoolAvailable, PoolState, RoutePolicy, cache_key
+from .routing import Decision, NoPoolAvailable, PoolState, RoutePolicy, cache_key, speculation_excluded
 
 log = logging.getLogger("swiftkv.gateway")
 
@@ -41,7 +41,8 @@ class Dispatcher:
         # hashed once: the retry and the index reuse them
         blocks = self.policy.blocks(admitted.generate.prompt_token_ids, admitted.generate.key_salt)
         try:
-            return self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, admitted.pinned, blocks)
+            return self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, admitted.pinned, blocks,
+                                      speculation_excluded(admitted.generate.sampling) is not None)
         except NoPoolAvailable as e:
             raise APIError(503, f"{e}; try again shortly", "server_error", code="unavailable", headers=self.retry_after) from None
 
@@ -65,7 +66,8 @@ class Dispatcher:
                 raise
             first_error = e
         try:
-            again = self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, blocks=decision.blocks)
+            again = self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, blocks=decision.blocks,
+                                       unspeculated=speculation_excluded(request.sampling) is not None)
         except NoPoolAvailable:
             raise first_error from None
         if again.pool == decision.pool:
@@ -92,12 +94,12 @@ class Dispatcher:
         estimates, limits, and the prompt's blocks (`blocks`, cache-aware routing) entered in the prefix-cache index
         as the pool's now, then the blocks its answer filled when the backend reports the answer's token ids."""
         prompt_tokens = len(request.prompt_token_ids)
-        m = metrics.for_pool(pool.name, model, source)
+        m = metrics.for_pool(pool.name, model, source, admitted.route)
         m.in_flight.inc()
         m.prompt_tokens.inc(prompt_tokens)
         prefill_tokens = prompt_tokens - self.note_prefix(pool, request.mode, prompt_tokens, blocks)
         # set beside the measured TTFT (swiftkv_time_to_first_token_seconds): a wrong cost model shows up there
-        metrics.predicted_ttft.labels(pool.name).observe(pool.ttft_seconds(prefill_tokens))
+        metrics.labelled(metrics.predicted_ttft, pool.name).observe(pool.ttft_seconds(prefill_tokens))
         expected_output = admitted.expected_output * max(request.sampling.n, 1)
         pool.dispatched(prefill_tokens, expected_output)
         live = source == "live"
@@ -164,7 +166,7 @@ class Dispatcher:
         if index is None:
             return 0
         cached = self.policy.cached_tokens(pool.name, prompt_tokens, blocks, mode)
-        metrics.prefix_cached_tokens.labels(pool.name).inc(cached)
+        metrics.labelled(metrics.prefix_cached_tokens, pool.name).inc(cached)
         index.record(cache_key(pool.name, mode), blocks)
         return cached
 

@@ -1,9 +1,12 @@
 """Gateway-side Prometheus metrics: prefix `swiftkv_`, base units, labels of low cardinality (pool, model,
-reason, status, source: each from a small fixed set; source is `live` or `batch`). Engine metrics keep
+reason, status, source, route: each from a small fixed set; source is `live` or `batch`, route the API route a request
+came by: `chat`, `completions` or `responses`). Engine metrics keep
 vLLM's own `vllm:` names and are exposed beside these by the in-process engines
 (services.serving.engine.EngineMetrics)."""
 
 from __future__ import annotations
+
+import functools
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
@@ -19,8 +22,9 @@ OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.00
 
 PM = ("pool", "model", "source")
 
-ttft = Histogram("swiftkv_time_to_first_token_seconds", "Gateway-side time to first token (request received to first token sent)", PM, buckets=TTFT_BUCKETS)
-tpot = Histogram("swiftkv_time_per_output_token_seconds", "Mean time per output token after the first, per request", PM, buckets=TPOT_BUCKETS)
+# route: the API route the request came in by (chat, completions, responses), for the two latencies a client feels
+ttft = Histogram("swiftkv_time_to_first_token_seconds", "Gateway-side time to first token (request received to first token sent)", PM + ("route",), buckets=TTFT_BUCKETS)
+tpot = Histogram("swiftkv_time_per_output_token_seconds", "Mean time per output token after the first, per request", PM + ("route",), buckets=TPOT_BUCKETS)
 e2e = Histogram("swiftkv_e2e_request_latency_seconds", "Request received to last token sent", PM, buckets=E2E_BUCKETS)
 queue = Histogram("swiftkv_request_queue_time_seconds", "Time the request waited in the engine queue before being scheduled", PM, buckets=TTFT_BUCKETS)
 overhead = Histogram("swiftkv_gateway_overhead_seconds", "Gateway time before dispatch: parsing, auth, tokenization, limits, routing", ("pool",), buckets=OVERHEAD_BUCKETS)
@@ -48,9 +52,9 @@ predicted_ttft = Histogram("swiftkv_route_predicted_ttft_seconds", "Time to firs
 class PoolMetrics:
     """The labelled children for one (pool, model), resolved once: `labels()` costs more than observing."""
 
-    def __init__(self, pool: str, model: str, source: str = "live"):
-        self.ttft = ttft.labels(pool, model, source)
-        self.tpot = tpot.labels(pool, model, source)
+    def __init__(self, pool: str, model: str, source: str = "live", route: str = "chat"):
+        self.ttft = ttft.labels(pool, model, source, route)
+        self.tpot = tpot.labels(pool, model, source, route)
         self.e2e = e2e.labels(pool, model, source)
         self.queue = queue.labels(pool, model, source)
         self.prompt_tokens = prompt_tokens.labels(pool, model, source)
@@ -60,12 +64,18 @@ class PoolMetrics:
         self.requests = {s: requests.labels(pool, model, source, s) for s in ("ok", "error", "client_disconnect", "aborted")}
 
 
-_pool_metrics: dict[tuple[str, str, str], PoolMetrics] = {}
+_pool_metrics: dict[tuple[str, str, str, str], PoolMetrics] = {}
 
 
-def for_pool(pool: str, model: str, source: str = "live") -> PoolMetrics:
+def for_pool(pool: str, model: str, source: str = "live", route: str = "chat") -> PoolMetrics:
     """Model names are checked against the served ones before they get here: the set stays small."""
-    m = _pool_metrics.get((pool, model, source))
+    m = _pool_metrics.get((pool, model, source, route))
     if m is None:
-        m = _pool_metrics[(pool, model, source)] = PoolMetrics(pool, model, source)
+        m = _pool_metrics[(pool, model, source, route)] = PoolMetrics(pool, model, source, route)
     return m
+
+
+@functools.cache
+def labelled(metric, *values: str):
+    """`metric.labels(*values)`, resolved once per label set: labels() costs more than counting, and the sets are few."""
+    return metric.labels(*values)

@@ -19,7 +19,7 @@ from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from services.common.errors import APIError, bad_request
 from services.common.keys import KeyStore
@@ -31,7 +31,7 @@ from .admission import Admission, AdmittedRequest, count_rejection
 from .dispatch import Dispatcher, calling_on_first_token
 from .pool_lifecycle import PoolLifecycle
 from .prompts import Prompter
-from .render import collect, failure, json_bytes, sse_body
+from .render import collect, failure, json_bytes, small_answer, sse_body
 from .routing import Decision, RoutePolicy
 from .schemas import ChatCompletionRequest, CompletionRequest, check_tree
 
@@ -54,14 +54,16 @@ class Gateway:
         # and xgrammar release the GIL). Four threads: a small request finds one free beside a few huge ones;
         # more work waits its turn (requests are bounded by limits.max_concurrent_requests).
         self.cpu = ThreadPoolExecutor(max_workers=4, thread_name_prefix="swiftkv-cpu")
-        # with API keys, each key's prefix cache is its own (the Tenancy rule) unless the operator shares them
-        self.policy = RoutePolicy(cfg.routing, per_key=keys.enabled and not cfg.routing.share_prefix_cache)
+        # with API keys, each key's prefix cache is its own (the Tenancy rule) unless the operator shares them: for every
+        # key (routing.share_prefix_cache) or for a key (its share_prefix_cache in the keys file), read per request
+        self.policy = RoutePolicy(cfg.routing, per_key=functools.partial(keys.own_cache, shared_by_default=cfg.routing.share_prefix_cache))
         self.lifecycle = PoolLifecycle(cfg, backends, on_ready, on_down=self.policy.forget,
                                        on_cache=self.policy.adopt_engine_cache)
         self.pools = self.lifecycle.pools
         self.admission = Admission(cfg, self.pools, prompter, keys, self.off_loop)
         self.limiter = self.admission.limiter
         self.kv_feeds: list = []  # the engines' KV-cache events, followed once started (routing.kv_events)
+        self.responses = None  # the Responses API (responses_api.ResponsesAPI), set by create_app: serves kind "responses"
         self.dispatch = Dispatcher(self.pools, self.policy, self.limiter, self.admission.output_estimate,
                                    self.lifecycle.set_ready, self.lifecycle.retry_after)
 
@@ -107,7 +109,7 @@ class Gateway:
             count_rejection(e, "live")
             return e.response()
         req, gen = admitted.request, admitted.generate
-        metrics.route_decisions.labels(decision.pool, decision.reason, "live").inc()
+        metrics.labelled(metrics.route_decisions, decision.pool, decision.reason, "live").inc()
         metrics.for_pool(decision.pool, req.model).overhead.observe(time.perf_counter() - t0)
         stream = self.dispatch.stream(admitted, decision, t0)
         log.debug("request %s routed: %s", gen.request_id, decision.header(expose_reason=True))
@@ -123,14 +125,14 @@ class Gateway:
                 await stream.aclose()
                 status, body = failure(e, admitted.structured_param)
                 return JSONResponse(body, status_code=status, headers=headers | (self.lifecycle.retry_after if status == 503 else {}))
-            return StreamingResponse(sse_body(stream, first, admitted.render, admitted.prompt_tokens, req.include_usage, req.continuous_usage),
-                                     media_type="text/event-stream", headers=headers)
+            return EventStream(sse_body(stream, first, admitted.render, admitted.prompt_tokens, req.include_usage, req.continuous_usage),
+                               headers)
         try:
             status, body = await until_disconnect(request, collect(stream, admitted.render, admitted.prompt_tokens, self.off_loop,
                                                                    admitted.structured_param))
         except ClientGone:
             return Response(status_code=499)
-        content = await self.off_loop(json_bytes, body)  # up to limits.max_unstreamed_tokens of it
+        content = json_bytes(body) if small_answer(body) else await self.off_loop(json_bytes, body)  # up to limits.max_unstreamed_tokens
         return Response(content, status_code=status, headers=headers | (self.lifecycle.retry_after if status == 503 else {}),
                         media_type="application/json")
 
@@ -140,6 +142,8 @@ class Gateway:
         request among them, before any charge) is an APIError, counted under `source`. Its tree is walked and validated
         on the CPU pool (a line's size is not known here, and may be that of a large body). A line retried after a
         429 passes what this returned to run_request, so its retries cost only the limiter call."""
+        if kind == "responses":
+            return await self.responses.prepare(data, source)
         try:
             return await self.off_loop(self._prepare, data, kind)
         except APIError as e:
@@ -155,14 +159,17 @@ class Gateway:
 
     async def run_request(self, data: object, kind: str, identity: str, *, source: str = "batch", priority: int = 0,
                           slot: Callable[[Decision], AbstractAsyncContextManager[Decision]] | None = None,
-                          first_token: Callable[[], None] | None = None) -> tuple[int, dict]:
+                          first_token: Callable[[], None] | None = None, route: str | None = None) -> tuple[int, dict]:
         """Serve one already-parsed, non-streamed request body (or what `prepare` made of it) without HTTP (the Batch
         API's lines): the same validation, token counting, routing, backends and metrics (labelled `source`) as live
         traffic, at the engine priority given (or the body's own, if later), charged to the key's per-minute limits
         (a 429 when over them, which the caller waits out). `slot(decision)` is entered once the route is decided and
         held while the engine works (the caller's bound on its own requests per pool); it may move the request to
         another pool: the decision it yields is the one served and counted. `first_token()` is called, in the
-        calling task, when the first output token arrives."""
+        calling task, when the first output token arrives. `route`: the API route the request came by, where it is not
+        its kind's (the Responses API's chat requests)."""
+        if kind == "responses":  # its chat request comes back through here
+            return await self.responses.run_request(data, identity, source=source, priority=priority, slot=slot, first_token=first_token)
         try:
             req = data if isinstance(data, (ChatCompletionRequest, CompletionRequest)) else await self.prepare(data, kind, source)
         except APIError as e:  # counted by prepare
@@ -173,8 +180,9 @@ class Gateway:
             count_rejection(e, source)
             return e.status, e.body()
         admitted.generate.priority = max(priority, admitted.generate.priority)  # never ahead of the caller's (batch's)
+        admitted.route = route or admitted.route
         async with slot(decision) if slot is not None else nullcontext(decision) as decision:
-            metrics.route_decisions.labels(decision.pool, decision.reason, source).inc()
+            metrics.labelled(metrics.route_decisions, decision.pool, decision.reason, source).inc()
             stream = self.dispatch.stream(admitted, decision, time.perf_counter(), source)
             if first_token is not None:
                 stream = calling_on_first_token(stream, first_token)
@@ -203,12 +211,17 @@ async def first_outputs(request: Request, stream: AsyncIterator[Output]) -> list
 async def until_disconnect(request: Request, work: Awaitable):
     """Await `work` while a watcher waits for the client to leave; if it does, `work` is cancelled (which
     closes the stream and aborts the engine request) and ClientGone is raised."""
+    return await watching(request.receive, work)
+
+
+async def watching(receive: Callable[[], Awaitable[dict]], work: Awaitable):
+    """until_disconnect, on an ASGI `receive`."""
     current = asyncio.current_task()
     gone = False
 
     async def watch() -> None:
         nonlocal gone
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
         gone = True
         current.cancel()
@@ -223,3 +236,31 @@ async def until_disconnect(request: Request, work: Awaitable):
         raise ClientGone from None
     finally:
         watcher.cancel()
+
+
+class EventStream(Response):
+    """Server-sent events, sent as Starlette's StreamingResponse sends them; a client that leaves cancels the sending
+    (closing `events`, which aborts the engine request). One watcher task per stream instead of StreamingResponse's anyio
+    task group, whose cancel scopes cost more than the rest of a short answer's sending."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str]):
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def send_all() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await watching(receive, send_all())
+        except ClientGone:
+            pass
+        finally:
+            await self.events.aclose()

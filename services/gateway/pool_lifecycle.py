@@ -30,7 +30,9 @@ class PoolLifecycle:
         self.on_cache = on_cache  # told a started pool's KV-cache block size and capacity in tokens, where it reports them
         self.pools = {
             name: PoolState(name, backend, cfg.served_name(name), max_model_len(cfg.pools[name].model, cfg.pools[name].engine_args),
-                            dual_mode=cfg.pools[name].dual_mode)
+                            dual_mode=cfg.pools[name].dual_mode,
+                            # a remote server's speculation is its own, unknown here: its refusal reaches the client
+                            speculative=cfg.pools[name].backend == "engine" and cfg.pools[name].speculation is not None)
             for name, backend in backends.items()
         }
         # A pool that is down is checked again within a health period: when to try again after a 503.

@@ -10,6 +10,9 @@ from services.common.errors import bad_request
 
 from .schemas import ChatCompletionRequest, CompletionRequest
 
+# Texts up to this length are tokenized by the Rust tokenizer's single call, which holds the GIL (a few hundred
+# microseconds at most); longer ones by its batch call, which releases it (on the CPU pool, other threads run meanwhile).
+SMALL_TEXT_CHARS = 8 * 1024
 BATCHED_PROMPTS = "send one prompt per request (batched prompts are not supported; use n for several completions)"
 
 
@@ -51,6 +54,8 @@ class Prompter:
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._fast is not None:
+            if len(text) <= SMALL_TEXT_CHARS:  # the batch call's thread hand-off costs more than such a text's tokens
+                return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
             return self._fast.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from services.common.errors import APIError
+from services.common.keys import KeyStore
 
 log = logging.getLogger("swiftkv.gateway")
 
@@ -39,14 +40,15 @@ class RateLimiter:
     KINDS = ("requests", "prompt_tokens", "output_tokens")
 
     def __init__(self, requests_per_minute: int | None, prompt_tokens_per_minute: int | None,
-                 output_tokens_per_minute: int | None, per_key: dict[str, dict[str, int]] | None = None):
+                 output_tokens_per_minute: int | None, per_key: KeyStore | dict[str, dict[str, int]] | None = None):
         self.defaults = dict(zip(self.KINDS, (requests_per_minute, prompt_tokens_per_minute, output_tokens_per_minute)))
-        self.per_key = {d: {k.removesuffix("_per_minute"): v for k, v in o.items() if k.endswith("_per_minute")}
-                        for d, o in (per_key or {}).items()}  # a key's other settings (min_priority) are not limits
+        # the running KeyStore, read per request: a key's limit changed by a reload of the keys file applies to its next one
+        self.keys = per_key if isinstance(per_key, KeyStore) else KeyStore(per_key)
         self.buckets: dict[str, dict[str, Bucket]] = {}
+        self.checked: dict[str, int] = {}  # per key, the KeyStore.generation its buckets were last sized for
 
     def limits(self, identity: str) -> dict[str, int | None]:
-        return self.defaults | self.per_key.get(identity, {})
+        return self.defaults | {k.removesuffix("_per_minute"): v for k, v in self.keys.limits(identity).items()}
 
     # Async like the Redis limiter's, so callers await either.
     async def acquire(self, identity: str, prompt_tokens: int, output_tokens: int, requests: int = 1) -> None:
@@ -55,12 +57,26 @@ class RateLimiter:
         self._take(identity, prompt_tokens, output_tokens, requests)
 
     def _buckets(self, identity: str) -> dict[str, Bucket]:
-        """The key's buckets, made full on first use. Never dropped: a debt stays until it is repaid."""
+        """The key's buckets, made full on first use. Never dropped: a debt stays until it is repaid. A limit changed
+        since (a reload of the keys file) resizes its bucket: a raise adds the difference, a cut caps what is left."""
         buckets = self.buckets.get(identity)
-        if buckets is None:
+        generation = self.keys.generation
+        if buckets is not None and self.checked.get(identity) == generation:  # no reload since: as they were
+            return buckets
+        limits = {k: v for k, v in self.limits(identity).items() if v}
+        if buckets is None or len(buckets) != len(limits) or any(k not in buckets or buckets[k].capacity != v for k, v in limits.items()):
             now = time.monotonic()
-            buckets = self.buckets[identity] = {k: Bucket(v, v, now) for k, v in self.limits(identity).items() if v}
+            old = buckets or {}
+            buckets = self.buckets[identity] = {k: self._resized(old.get(k), v, now) for k, v in limits.items()}
+        self.checked[identity] = generation
         return buckets
+
+    @staticmethod
+    def _resized(bucket: Bucket | None, capacity: int, now: float) -> Bucket:
+        if bucket is None:
+            return Bucket(capacity, capacity, now)
+        bucket.refill(now)
+        return Bucket(capacity, min(capacity, bucket.level + max(0, capacity - bucket.capacity)), now)
 
     def _take(self, identity: str, prompt_tokens: int, output_tokens: int, requests: int = 1) -> None:
         buckets = self._buckets(identity)

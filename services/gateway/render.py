@@ -24,8 +24,22 @@ class Choice:
     logprobs: list = field(default_factory=list)
 
 
-def usage_dict(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage_dict(prompt: int, completion: int, cached: int | None = None) -> dict:
+    """OpenAI's usage; `cached`: the prompt tokens the engine read from its prefix cache (prompt_tokens_details), where
+    the backend reports them."""
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return usage if cached is None else usage | {"prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# An answer up to this many tokens, without logprobs, is built and encoded on the event loop (tens of microseconds:
+# less than the hop to the CPU pool and back); a longer one, up to limits.max_unstreamed_tokens, on the CPU pool.
+SMALL_ANSWER_TOKENS = 256
+
+
+def small_answer(body: dict) -> bool:
+    """Whether an answer body (or an error body) is small enough to encode on the event loop."""
+    usage = body.get("usage") or {}
+    return usage.get("completion_tokens", 0) <= SMALL_ANSWER_TOKENS and not any(c.get("logprobs") for c in body.get("choices") or ())
 
 
 def json_bytes(body: dict) -> bytes:
@@ -150,12 +164,15 @@ Renderer = ChatRender | CompletionRender
 
 async def collect(stream: AsyncIterator[Output], render: Renderer, prompt_tokens: int,
                   off_loop: Callable[..., Awaitable], structured_param: str | None = None) -> tuple[int, dict]:
-    """A whole (non-streamed) answer: (status, OpenAI body). The body is built with `off_loop` (the gateway's CPU
-    pool): up to limits.max_unstreamed_tokens of it."""
+    """A whole (non-streamed) answer: (status, OpenAI body). A long one (up to limits.max_unstreamed_tokens) is built
+    with `off_loop` (the gateway's CPU pool)."""
     choices = [Choice() for _ in range(render.n)]
+    cached = None
     try:
         async with aclosing(stream) as s:
             async for out in s:
+                if out.cached_tokens is not None:
+                    cached = out.cached_tokens
                 for c in out.choices:
                     ch = choices[c.index]
                     ch.text.append(c.text)
@@ -166,14 +183,17 @@ async def collect(stream: AsyncIterator[Output], render: Renderer, prompt_tokens
     except (BadRequest, BackendError) as e:
         return failure(e, structured_param)
     completion_tokens = sum(c.tokens for c in choices)
-    return 200, await off_loop(render.full, choices, usage_dict(prompt_tokens, completion_tokens))
+    usage = usage_dict(prompt_tokens, completion_tokens, cached)
+    if completion_tokens <= SMALL_ANSWER_TOKENS and not render.logprobs:
+        return 200, render.full(choices, usage)
+    return 200, await off_loop(render.full, choices, usage)
 
 
 async def sse_body(stream: AsyncIterator[Output], first: list[Output], render: Renderer, prompt_tokens: int,
                    include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[bytes]:
     """The SSE body of an answer whose `first` outputs were already read (so the status line could be right):
     errors from here on can only be events in the stream."""
-    completion_tokens = 0
+    completion_tokens, cached = 0, None
 
     async def outputs():
         for out in first:
@@ -187,16 +207,17 @@ async def sse_body(stream: AsyncIterator[Output], first: list[Output], render: R
                 yield sse_event(chunk, include_usage, usage_dict(prompt_tokens, 0) if continuous_usage else None)
             async for out in outputs():
                 completion_tokens += sum(c.num_tokens for c in out.choices)
+                cached = cached if out.cached_tokens is None else out.cached_tokens
                 chunk = render.chunk(out)
                 if chunk["choices"]:  # choices whose text is held back (a tool call taking shape) send nothing
-                    yield sse_event(chunk, include_usage, usage_dict(prompt_tokens, completion_tokens) if continuous_usage else None)
+                    yield sse_event(chunk, include_usage, usage_dict(prompt_tokens, completion_tokens, cached) if continuous_usage else None)
     except (BadRequest, BackendError) as e:
         status, body = failure(e)
         yield sse_error(body["error"]["message"], body["error"]["type"], body["error"]["code"])
         yield b"data: [DONE]\n\n"  # the stream still ends the way clients expect, never left hanging
         return
     if include_usage:
-        yield sse_event(render.usage_chunk(usage_dict(prompt_tokens, completion_tokens)), False)
+        yield sse_event(render.usage_chunk(usage_dict(prompt_tokens, completion_tokens, cached)), False)
     yield b"data: [DONE]\n\n"
 
 

@@ -41,6 +41,9 @@ the pool's own):
   pinned     the client asked for a pool's own model name
   single     only one pool is configured
   batch_steered  a Batch API line moved off a pool busy with live traffic (`RoutePolicy.steer_batch`)
+  no_speculation  the request samples with logit_bias or min_p, which vLLM refuses under speculative decoding: it goes
+             to the pool whose engines do not speculate (as the intended model where that pool is dual-mode), with no
+             load or prefix override (docs/concepts/speculation.md)
 """
 
 from __future__ import annotations
@@ -60,6 +63,19 @@ from services.serving.backend import Backend
 from . import metrics
 
 SWIFTKV, BASE = POOL_NAMES
+SAMPLING_EPS = 1e-5  # vLLM's: a min_p at or below it is no min_p
+
+
+def speculation_excluded(sampling) -> str | None:
+    """The field of a request (or its SamplingOptions) that no speculating engine serves: vLLM refuses logit_bias and
+    min_p with speculative decoding (SamplingParams._validate_spec_decode). None: any pool may serve it."""
+    if getattr(sampling, "logit_bias", None):
+        return "logit_bias"
+    if (getattr(sampling, "min_p", 0.0) or 0.0) > SAMPLING_EPS:
+        return "min_p"
+    return None
+
+
 # Where a batch line may move without losing quality: the config fixes the pools' roles by name (`swiftkv`
 # serves the SwiftKV model, `base` its base model, sharing its tokenizer), and the base model is the quality
 # reference. Never the reverse.
@@ -85,6 +101,7 @@ class PoolState:
     max_model_len: int | None = None
     ready: bool = False
     dual_mode: bool = False  # its engines serve both models, per request (the pool config's dual_mode)
+    speculative: bool = False  # its engines run speculative decoding (the pool config's): no logit_bias nor min_p there
     backlog_tokens: int = 0  # dispatched prompt tokens not found cached whose first token has not come back
     decode_tokens: int = 0  # expected output tokens of the requests dispatched here that have not ended
     # prompt tokens prefilled per second of an engine's prefill (time to first token less its queue wait, where the
@@ -127,7 +144,7 @@ class PoolState:
         """A request went out with `prefill_tokens` of its prompt not cached here and `output_tokens` expected."""
         self.backlog_tokens += prefill_tokens
         self.decode_tokens += output_tokens
-        metrics.pool_backlog.labels(self.name).set(self.backlog_tokens)
+        metrics.labelled(metrics.pool_backlog, self.name).set(self.backlog_tokens)
 
     def ended(self, output_tokens: int) -> None:
         """A request dispatched with `output_tokens` expected has ended (answered, failed or aborted)."""
@@ -141,7 +158,7 @@ class PoolState:
         """The first token of a request dispatched with `prefill_tokens` came back `ttft` seconds after it was sent
         (0: it ended without one), of which `queue_seconds` in the engine's queue where the backend knows."""
         self.backlog_tokens -= prefill_tokens
-        metrics.pool_backlog.labels(self.name).set(self.backlog_tokens)
+        metrics.labelled(metrics.pool_backlog, self.name).set(self.backlog_tokens)
         prefill_seconds = ttft - (queue_seconds or 0.0)
         if prefill_tokens >= 16 and ttft > 0 and prefill_seconds > 0:  # tiny prefills measure overheads, not prefill
             self.prefill_rate.update(prefill_tokens / prefill_seconds)
@@ -178,9 +195,11 @@ class NoPoolAvailable(Exception):
 
 
 class RoutePolicy:
-    def __init__(self, cfg: RoutingConfig, index: PrefixIndex | None = None, per_key: bool = False):
+    def __init__(self, cfg: RoutingConfig, index: PrefixIndex | None = None, per_key: bool | Callable[[str], bool] = False):
         self.cfg = cfg
-        self.per_key = per_key  # each API key's prefix cache apart (keys configured, routing.share_prefix_cache off)
+        # each API key's prefix cache apart: a bool for every key, or per key (KeyStore.own_cache: the keys file's
+        # share_prefix_cache, else routing.share_prefix_cache), read per request so a reload of the keys file applies
+        self.per_key = per_key
         # what each pool holds in its prefix cache: None unless routing is cache-aware
         if index is None and cfg.cache_aware:
             block_size = cfg.prefix_block_size or DEFAULT_BLOCK_SIZE
@@ -205,7 +224,8 @@ class RoutePolicy:
     def key_salt(self, identity: str) -> str | None:
         """The prefix-cache salt of a key's requests (per_key, else None): a digest of its identity, never the key, nor
         the digest that names the key elsewhere."""
-        return hashlib.sha256(f"swiftkv-cache-salt:{identity}".encode()).hexdigest()[:16] if self.per_key else None
+        own = self.per_key(identity) if callable(self.per_key) else self.per_key
+        return hashlib.sha256(f"swiftkv-cache-salt:{identity}".encode()).hexdigest()[:16] if own else None
 
     def blocks(self, prompt_token_ids: Sequence[int], salt: str | None = None) -> tuple[bytes, ...]:
         """The prompt's block hashes, salted with its key's `salt`, when routing is cache-aware (else none: nothing to
@@ -260,9 +280,11 @@ class RoutePolicy:
         return min(self.index.cached_tokens(cache_key(pool, mode), blocks), (prompt_tokens - 1) // bs * bs)
 
     def decide(self, prompt_tokens: int, expected_output: int, pools: dict[str, PoolState], pinned: str | None = None,
-               blocks: Sequence[bytes] = ()) -> Decision:
+               blocks: Sequence[bytes] = (), unspeculated: bool = False) -> Decision:
         """The pool for a request of `prompt_tokens` expecting `expected_output` tokens; `blocks` (cache-aware
-        routing: `blocks(prompt_token_ids)`) lets the pools' prefix caches count."""
+        routing: `blocks(prompt_token_ids)`) lets the pools' prefix caches count. `unspeculated`: the request needs an
+        engine without speculative decoding (`speculation_excluded`); admission refused it where no pool it may go to
+        has one."""
         ratio = prompt_tokens / max(expected_output, 1)
         blocks = tuple(blocks)
         if pinned is not None:
@@ -276,6 +298,13 @@ class RoutePolicy:
             return Decision(only.name, "single", ratio, blocks)
         chosen = SWIFTKV if ratio >= self.cfg.ratio_threshold else BASE
         other = BASE if chosen == SWIFTKV else SWIFTKV
+        plain = [name for name in (chosen, other) if not pools[name].speculative]
+        if unspeculated and len(plain) == 1:  # the one pool that does not speculate, as the intended model if it can
+            (name,) = plain
+            if not pools[name].ready:
+                raise NoPoolAvailable(f"pool {name}, the one without speculative decoding (which logit_bias and min_p "
+                                      "need), is not available")
+            return Decision(name, "no_speculation", ratio, blocks, chosen if pools[name].dual_mode else name)
         moved_as = chosen if pools[other].dual_mode else other  # the model it runs as if moved to the other pool
         if not pools[chosen].ready:
             if not pools[other].ready:
@@ -286,8 +315,12 @@ class RoutePolicy:
             # otherwise pull all traffic to the pool that happens to hold it.
             floor = self.cfg.prefix_min_distinct_tokens
 
-            def cached(pool: str, mode: str) -> int:
-                return max(0, self.cached_tokens(pool, prompt_tokens, blocks, mode) - floor)
+            counted: dict[tuple[str, str], int] = {}
+
+            def cached(pool: str, mode: str) -> int:  # looked up once per pool and model
+                if (pool, mode) not in counted:
+                    counted[pool, mode] = max(0, self.cached_tokens(pool, prompt_tokens, blocks, mode) - floor)
+                return counted[pool, mode]
 
             def work(pool: str, mode: str) -> float:
                 return pools[pool].work(self.cfg.decode_token_cost) + own - cached(pool, mode)
@@ -312,9 +345,10 @@ class RoutePolicy:
     def steer_batch(self, decision: Decision, pools: dict[str, PoolState], live_busy: Callable[[str], bool]) -> Decision:
         """A batch line's route, away from live traffic: a line whose pool is live-busy moves to a ready pool
         that is not, when that pool serves at least the line's quality (`STEER_TO`: SwiftKV -> base model,
-        never the reverse; a dual-mode pool runs it as the same model); a pinned line stays where the client sent it."""
+        never the reverse; a dual-mode pool runs it as the same model); a pinned line stays where the client sent it, and a
+        `no_speculation` line on the one pool that can serve it."""
         to = STEER_TO.get(decision.pool)
-        if decision.reason == "pinned" or to not in pools or not pools[to].ready:
+        if decision.reason in ("pinned", "no_speculation") or to not in pools or not pools[to].ready:
             return decision
         if not live_busy(decision.pool) or live_busy(to):
             return decision

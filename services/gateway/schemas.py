@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from services.common.bodies import check_tree  # noqa: F401 (the gateway's modules import it from here)
 from services.common.errors import bad_request
-from services.common.validation import MAX_JSON_DEPTH
 from services.serving.backend import SamplingOptions
 
 MAX_INT32 = 2**31 - 1  # token counts: far above any context, small enough for every engine
 MAX_SCHEMA_CHARS = 100_000  # a JSON schema, grammar or regex for structured output, serialized
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into JSON text
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class FieldError(ValueError):
@@ -392,38 +389,6 @@ class DetokenizeRequest(Strict):
 def _union_tag(part: str) -> bool:
     """pydantic names the member of a union in an error's location (`str`, `list[int]`): not a field."""
     return part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[", "function-"))
-
-
-def check_tree(data: object, text: str | None = None) -> None:
-    """A decoded JSON body's two hazards for what runs after validation: nesting past MAX_JSON_DEPTH (recursion
-    in serializers, chat templates and grammar converters) and lone UTF-16 surrogates ("\\ud800": valid JSON,
-    but no UTF-8 for the tokenizer or any native library). Either is a 400 naming the field. `text`, the body
-    itself, skips the walk when it cannot hold either."""
-    surrogates = text is None or _SURROGATE_ESCAPE.search(text) is not None
-    if not surrogates and text.count("{") + text.count("[") <= MAX_JSON_DEPTH:
-        return
-    stack: list[tuple[object, tuple, int]] = [(data, (), 1)]
-    while stack:
-        value, path, depth = stack.pop()
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                _bad_string(path)
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise bad_request(f"{path[0]} nests objects and arrays more than {MAX_JSON_DEPTH} levels deep",
-                              param=str(path[0]), code="invalid_value")
-        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
-            if surrogates and isinstance(key, str) and _SURROGATE.search(key):
-                _bad_string((*path, key))
-            if isinstance(item, (dict, list)) or (surrogates and isinstance(item, str)):
-                stack.append((item, (*path, key), depth + 1))
-
-
-def _bad_string(path: tuple) -> None:
-    param = ".".join(str(p) for p in path) or None
-    raise bad_request(f"{param or 'the body'} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
-                      "which is no Unicode text; escape characters outside the BMP as a surrogate pair",
-                      param=param, code="invalid_value")
 
 
 def parse(model: type[Strict], data: object):

@@ -79,6 +79,9 @@ class Output:
 
     choices: list[ChoiceDelta]
     queue_seconds: float | None = None  # engine queue time, once known (first output), if the backend knows it
+    # prompt tokens the engine read from its prefix cache (vLLM's num_cached_tokens), once known (the first output, or a
+    # remote server's final usage), if the backend knows it: the answer's usage.prompt_tokens_details.cached_tokens
+    cached_tokens: int | None = None
 
 
 class BackendError(RuntimeError):

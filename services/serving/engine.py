@@ -245,12 +245,13 @@ class VLLMEngine:
         prefilled = False
         try:
             async for out in self.llm.generate(prompt, params, request.request_id, priority=request.priority):
-                queue_seconds = None
+                queue_seconds = cached_tokens = None
                 if not prefilled:
                     prefilled = True
                     stats = getattr(out, "metrics", None)
                     if stats is not None and getattr(stats, "scheduled_ts", 0) and getattr(stats, "queued_ts", 0):
                         queue_seconds = max(0.0, stats.scheduled_ts - stats.queued_ts)
+                    cached_tokens = out.num_cached_tokens  # known once prefilled, as vLLM's server reads it
                 choices = []
                 for c in out.outputs:
                     if c.finish_reason == "error":  # vLLM failed this request in its engine (e.g. its grammar did not compile)
@@ -261,7 +262,7 @@ class VLLMEngine:
                     if request.sampling.logprobs is not None and c.logprobs is not None:
                         logprobs = _logprobs(c.token_ids, c.logprobs, request.sampling.logprobs)
                     choices.append(ChoiceDelta(c.index, c.text, len(c.token_ids), c.finish_reason, logprobs, list(c.token_ids)))
-                yield Output(choices, queue_seconds)
+                yield Output(choices, queue_seconds, cached_tokens)
         except VLLMClientError as e:
             raise BadRequest(str(e)) from e
         except ValueError as e:  # vLLM validates sampling parameters and prompt length with ValueError

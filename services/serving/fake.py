@@ -6,6 +6,7 @@ engines is tested over it, and the gateway's own cost is measured over it (loadt
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import AsyncIterator, Callable, Iterable
 
 from .backend import BackendDown, ChoiceDelta, GenerateRequest, Output, TokenLogprob
@@ -20,7 +21,9 @@ class FakeBackend:
     capacity tokens) is what it reports of its KV cache, as an in-process engine does; `token_id`, when set, is the id
     it reports for every token it answers (as an in-process engine reports its tokens' ids). `check`, when given, sees
     each request first and may refuse it (raise BadRequest) as an engine would; `kv_events`, the endpoints where its
-    engines would publish KV-cache events (a test publishes there). It keeps every
+    engines would publish KV-cache events (a test publishes there). Like vLLM it reports the prompt tokens it found in its
+    prefix cache on each answer's first output (`cached_tokens`): the full blocks (`cache`'s block size, else 16) of the
+    prompt it was sent before under the same key salt and mode, never the last token (none with `record` False). It keeps every
     request it was sent (`requests`, each with the `mode` it asked a dual-mode engine for; none with `record` False, for
     a load test's millions) and counts `waiting` (at the
     gate), `served` (past the gate) and `aborted`."""
@@ -38,6 +41,23 @@ class FakeBackend:
         self.error: Exception | None = None
         self.requests: list[GenerateRequest] = []
         self.waiting = self.served = self.aborted = 0
+        self.cached_blocks: set[int] = set()  # chained hashes of the prompt blocks it has "prefilled" (its prefix cache)
+
+    def prefill(self, request: GenerateRequest) -> int:
+        """The prompt tokens found cached, as vLLM counts them (whole blocks, never the last token); the prompt's blocks
+        are cached from now on."""
+        size = self.cache[0] if self.cache else 16
+        ids, h, cached, hit = request.prompt_token_ids, hash((request.key_salt, request.mode)), 0, True
+        if len(self.cached_blocks) > 1_000_000:  # bounded, as a real cache is
+            self.cached_blocks.clear()
+        for end in range(size, len(ids) + 1, size):
+            h = hash((h, tuple(ids[end - size:end])))
+            if hit and h in self.cached_blocks and end <= len(ids) - 1:
+                cached = end
+            else:
+                hit = False
+            self.cached_blocks.add(h)
+        return cached
 
     async def start(self) -> None:
         if not self.up:
@@ -87,6 +107,8 @@ class FakeBackend:
                     self.waiting -= 1
             self.served += 1
             outputs = list(self.outputs(request))
+            if self.record and outputs and outputs[0].cached_tokens is None:
+                outputs[0] = dataclasses.replace(outputs[0], cached_tokens=self.prefill(request))
             for i, out in enumerate(outputs):
                 if self.delay:
                     await asyncio.sleep(self.delay)

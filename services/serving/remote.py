@@ -41,6 +41,14 @@ def request_fields(sampling: SamplingOptions) -> dict:
     return body
 
 
+def cached_tokens(usage: dict | None) -> int | None:
+    """A usage object's prompt_tokens_details.cached_tokens, where the server reports it (vLLM: started with
+    --enable-prompt-tokens-details)."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def mode_fields(mode: str | None, key_salt: str | None = None) -> dict:
     """What asks a dual-mode vLLM server for `mode` (swiftkv_core/dual_mode.py), a base-mode request's `vllm_xargs`, and
     the prefix-cache salt of the mode and the key; nothing otherwise, so other servers never see the fields."""
@@ -142,6 +150,13 @@ class RemoteBackend:
                             held = held or Output([ChoiceDelta(0, "", 0)])
                             held.choices[-1].num_tokens += missing
                             counted[held.choices[-1].index] = counted.get(held.choices[-1].index, 0) + missing
+                    cached = cached_tokens(chunk.get("usage"))
+                    if cached is not None:  # vLLM's, with --enable-prompt-tokens-details: on the final usage chunk
+                        if self.continuous_usage:
+                            yield Output([], cached_tokens=cached)
+                        else:
+                            held = held or Output([])
+                            held.cached_tokens = cached
                     if choices and self.continuous_usage:
                         yield Output(choices)
                     elif choices:

@@ -1,5 +1,7 @@
 """OpenAI's Files and fine-tuning jobs routes, same shapes, so the official `openai` SDK drives the service:
-`client.fine_tuning.jobs.create(model=..., training_file=..., method={"type": "distillation", ...})`.
+`client.fine_tuning.jobs.create(model=..., training_file=..., method={"type": "distillation", ...})`. The Files routes
+are the platform's one Files API (services.common.files_api), the gateway's too: a file uploaded to either service
+trains here, and a job's result file downloads from either.
 
 Every route wants one of the gateway's API keys when keys are configured (401 otherwise), and a key sees only its
 own files and jobs (another key's ids answer 404), as in the Batch API. Every refusal is a 400 naming the field
@@ -21,11 +23,11 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from sqlalchemy.exc import OperationalError
 
+from services.common.bodies import read_object
 from services.common.errors import APIError, bad_request, not_found
-from services.common.files import file_object
 from services.common.ids import ID, new_id
 from services.common.pagination import cursor, int_param, only_query, page
-from services.common.uploads import jsonl_lines, receive_upload
+from services.common.uploads import jsonl_lines
 from services.common.validation import check_metadata
 from swiftkv_core.config import SwiftKVConfigError
 
@@ -46,7 +48,7 @@ def job_object(j: dict) -> dict:
         "model": j["model"], "organization_id": "org-swiftkv", "result_files": j["result_files"] or [], "seed": j["seed"],
         "status": j["status"], "trained_tokens": j["trained_tokens"], "training_file": j["training_file"],
         "validation_file": j["validation_file"], "estimated_finish": j["estimated_finish"], "integrations": None,
-        "metadata": j["metadata"], "method": j["method"], "user_provided_suffix": j["suffix"],
+        "metadata": j["metadata"], "method": j["method"],
     }
 
 
@@ -56,17 +58,32 @@ def event_object(e: dict) -> dict:
             "message": e["message"], "type": e["type"] if e["type"] == "metrics" else "message", "data": e["data"] or {}}
 
 
+# OpenAI's checkpoint metrics; the others a checkpoint records (its tokens) are in the job's metrics events
+CHECKPOINT_METRICS = ("full_valid_loss", "full_valid_mean_token_accuracy", "step", "train_loss", "train_mean_token_accuracy",
+                      "valid_loss", "valid_mean_token_accuracy")
+
+
 def checkpoint_object(c: dict) -> dict:
+    metrics = {k: v for k, v in (c["metrics"] or {}).items() if k in CHECKPOINT_METRICS}
     return {"id": c["id"], "object": "fine_tuning.job.checkpoint", "created_at": c["created_at"],
             "fine_tuned_model_checkpoint": f"{c['job_id']}:step-{c['step_number']}", "fine_tuning_job_id": c["job_id"],
-            "metrics": c["metrics"] or {}, "step_number": c["step_number"]}
+            "metrics": metrics, "step_number": c["step_number"]}
+
+
+def gone(file_id: str, param: str) -> APIError:
+    return bad_request(f"no such file: {file_id[:64]}", param=param, code="file_not_found")
 
 
 def check_records(path: Path, param: str, max_line_bytes: int) -> int:
     """Lines of OpenAI's chat format ({"messages": [...]}) or {"text": ...}; returns how many, else a 400. One line
-    is held at a time, at most max_line_bytes of it (the rest of a longer line is skipped unread)."""
+    is held at a time, at most max_line_bytes of it (the rest of a longer line is skipped unread), so a file of any
+    size is read in bounded memory."""
     n = 0
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:  # deleted (or swept) since its row was read
+        raise gone(path.name, param) from None
+    with f:
         for number, _, raw in jsonl_lines(f, max_line_bytes):  # the Batch API's reader
             if raw is None:
                 raise bad_request(f"line {number} of the file has more than {max_line_bytes} bytes; a line is limited to "
@@ -227,7 +244,7 @@ def check_layout(hp: DistillationHyperparameters, layers: int) -> dict:
 
 
 def build_router(service) -> APIRouter:
-    store, files, settings = service.store, service.files, service.settings
+    store, file_api, settings = service.store, service.file_api, service.settings
     router = APIRouter()
 
     def owner(request: Request) -> str:
@@ -241,70 +258,26 @@ def build_router(service) -> APIRouter:
             log.warning("the job store is unavailable", exc_info=True)  # the details (host, SQL) for the operator only
             raise APIError(503, "the job store is unavailable; try again shortly", "server_error", code="unavailable")
 
-    async def body_of(request: Request) -> dict:
-        """The request's JSON object. Past max_body_bytes a 413, before the rest is read (from Content-Length when
-        declared); the connection is then closed."""
-        limit, close = settings.max_body_bytes, {"Connection": "close"}
-        declared = request.headers.get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"request body is {declared} bytes; the limit is {limit} bytes (max_body_bytes)",
-                           code="request_too_large", headers=close)
-        raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limit:
-                raise APIError(413, f"request body is over the limit of {limit} bytes (max_body_bytes)", code="request_too_large",
-                               headers=close)
-        try:
-            body = json.loads(raw or b"null")
-        except (ValueError, RecursionError):  # ValueError: not JSON, not UTF-8; RecursionError: nested too deep
-            raise bad_request("the body is not valid JSON (or nests too deep to parse)", code="invalid_json")
-        if not isinstance(body, dict):
-            raise bad_request("the body must be a JSON object")
-        return body
-
-    # ---- files (the file rows and file store, shared with the Batch API on one database) ------------
-    @router.post("/v1/files")
-    async def upload(request: Request):
-        return await receive_upload(request, owner(request), ("fine-tune", "batch"), settings.max_file_bytes, files, store.files, db,
-                                    service.io)
-
-    async def find_file(who: str, file_id: str) -> dict | None:
-        return await db(store.files.get, who, file_id) if ID.fullmatch(file_id) else None  # an id no service hands out names nothing
-
-    @router.get("/v1/files/{file_id}")
-    async def get_file(request: Request, file_id: str):
-        f = await find_file(owner(request), file_id)
-        if f is None:
-            raise not_found("file", file_id)
-        return file_object(f)
-
-    @router.get("/v1/files/{file_id}/content")
-    async def file_content(request: Request, file_id: str):
-        from starlette.responses import FileResponse
-
-        f = await find_file(owner(request), file_id)
-        if f is None or not files.path(file_id).exists():
-            raise not_found("file", file_id)
-        return FileResponse(files.path(file_id), media_type="application/octet-stream", filename=f["filename"])
+    router.include_router(file_api.router(owner))  # the Files API: /v1/files...
 
     # ---- jobs ------------------------------------------------------------------------------------
     async def input_file(who: str, file_id, param: str) -> Path:
+        """The key's file of purpose fine-tune (uploaded to this service or to the gateway), its records checked."""
         if not isinstance(file_id, str) or not file_id:
             raise bad_request(f"{param} must be a file id", param=param)
-        f = await find_file(who, file_id)
-        if f is None or not files.path(file_id).exists():
-            raise bad_request(f"no such file: {file_id[:64]}", param=param, code="file_not_found")
+        f = await file_api.db(file_api.records.get, who, file_id) if ID.fullmatch(file_id) else None
+        if f is None:
+            raise gone(file_id, param)
         if f["purpose"] != "fine-tune":
             raise bad_request(f"{file_id} was uploaded with purpose '{f['purpose']}'; a job needs purpose 'fine-tune'", param=param)
         # on threads of their own: two big files being read do not hold the threads every store call needs
-        await service.file_io(check_records, files.path(file_id), param, settings.max_line_bytes)
-        return files.path(file_id)
+        await service.file_io(check_records, file_api.path(file_id), param, settings.max_line_bytes)
+        return file_api.path(file_id)
 
     @router.post("/v1/fine_tuning/jobs")
     async def create_job(request: Request):
         who = owner(request)
-        body = await body_of(request)
+        body = await read_object(request, service.body_limits, asyncio.to_thread)  # the gateway's body reader
         for name in body:
             if name not in JOB_FIELDS:
                 raise bad_request(f"unsupported field '{name}'", param=name)
@@ -336,7 +309,11 @@ def build_router(service) -> APIRouter:
                   "created_at": int(time.time()), "attempts": 0, "trained_tokens": 0}
         run_dir = service.worker.run_dir(job_id)
         try:
-            await service.file_io(service.prepare_run, run_dir, folder, method, record["seed"], train, valid)
+            try:
+                await service.file_io(service.prepare_run, run_dir, folder, method, record["seed"], train, valid)
+            except FileNotFoundError as e:  # a file deleted (or swept) while it was being copied
+                param, name = ("validation_file", valid.name) if valid is not None and str(e.filename) == str(valid) else ("training_file", train.name)
+                raise gone(name, param) from None
             await db(store.add_job, record)
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -15,7 +15,9 @@ trainer_app = typer.Typer(no_args_is_help=True, help="The distillation job servi
 def trainer_serve_command(
     host: Annotated[Optional[str], typer.Option(help="Address to listen on (default 127.0.0.1; 0.0.0.0 with API keys in a cluster)")] = None,
     port: Annotated[Optional[int], typer.Option(help="Port (default 8001)")] = None,
-    data_dir: Annotated[Optional[Path], typer.Option(help="Store, files and run folders (default data/trainer)")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Store and run folders, and files unless --files-dir (default data/trainer)")] = None,
+    files_dir: Annotated[Optional[Path], typer.Option(help="The Files API's bytes, shared with the gateway: its data dir's files/ "
+                                                      "(with its --database-url); default: the data dir's files/")] = None,
     database_url: Annotated[Optional[str], typer.Option(help="SQLAlchemy URL (PostgreSQL in a cluster); default SQLite in the data dir")] = None,
     ray_address: Annotated[Optional[str], typer.Option(help="Submit each job to this Ray cluster (job submission API, e.g. http://head:8265)")] = None,
     models_dir: Annotated[Optional[Path], typer.Option(help="Where finished jobs publish their models (default models)")] = None,
@@ -32,6 +34,7 @@ def trainer_serve_command(
     from .service import TrainerSettings, serve
 
     given = {"host": host, "port": port, "data_dir": str(data_dir) if data_dir else None, "database_url": database_url,
+             "files_dir": str(files_dir) if files_dir else None,
              "ray_address": ray_address, "models_dir": str(models_dir) if models_dir else None,
              "checkpoint_every": checkpoint_every, "events_every": events_every, "eval_max_tokens": eval_max_tokens,
              "eval_prompts": eval_prompts, "threads": threads, "api_keys_file": api_keys_file, "allowed_models": allowed_models}
@@ -44,6 +47,7 @@ def trainer_serve_command(
     # next start follows it, or resumes it from its last checkpoint if it is gone.
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the service takes it (a reload of the API keys), not a stop
     serve(settings, log_level)
 
 

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from services.common.openapi import json_body, page_params, upload_body
+from services.common import files_api
+from services.common.openapi import json_body, page_params
 
 from .api import JOB_FIELDS
 from .hyperparameters import DistillationHyperparameters
@@ -23,7 +24,7 @@ _JOB = {"type": "object", "additionalProperties": False, "required": ["model", "
 assert set(_JOB["properties"]) == JOB_FIELDS
 
 OPERATIONS = {
-    ("post", "/v1/files"): {"summary": "Upload a file", "requestBody": upload_body(["fine-tune", "batch"])},
+    **files_api.openapi_operations(),  # the platform's one Files API, as the gateway has it
     ("post", "/v1/fine_tuning/jobs"): {"summary": "Create a SwiftKV distillation job", "requestBody": json_body(_JOB)},
     ("get", "/v1/fine_tuning/jobs"): {"summary": "List jobs", "parameters": page_params(100)},
     ("get", "/v1/fine_tuning/jobs/{job_id}/events"): {"summary": "A job's events", "parameters": page_params(1000)},

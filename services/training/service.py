@@ -21,10 +21,12 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from starlette.responses import JSONResponse, Response
 
+from services.common.bodies import BodyLimits
 from services.common.errors import APIError, error_response
-from services.common.files import FileStore
+from services.common.files_api import FilesService
 from services.common.keys import KeyStore
 from services.common.threads import Threads
+from services.common.uploads import BODY_TIMEOUT, jsonl_lines
 from services.common.waiting import wait_event
 
 from .api import build_router
@@ -50,7 +52,14 @@ class TrainerSettings(BaseSettings):
         [], description="hub ids or glob patterns (\"meta-llama/*\") a job may download as its base model, comma-separated "
         "in the environment; empty: only models in models_dir and the names `swiftkv models prepare` builds")
     max_body_bytes: int = Field(1_000_000, description="a JSON request body; more is a 413 (an upload's bound is max_file_bytes)")
-    data_dir: str = Field("data/trainer", description="run folders (data, checkpoints, logs), uploaded files and the SQLite store")
+    body_timeout_seconds: float = Field(BODY_TIMEOUT, gt=0, description="to receive a whole JSON request body (an upload: this "
+                                        "plus a second per 64 KiB received), like the gateway's limits.body_timeout_seconds; "
+                                        "a slower one is a 408")
+    data_dir: str = Field("data/trainer", description="run folders (data, checkpoints, logs) and the SQLite store")
+    files_dir: str | None = Field(None, description="the Files API's bytes, one directory the gateway shares: its data_dir's "
+                                  "files/ (the chart mounts the gateway's files volume); with the gateway's database_url too, a "
+                                  "file uploaded to either service trains here and a job's results download from either; "
+                                  "default: data_dir/files")
     database_url: str | None = Field(None, description="SQLAlchemy URL of the jobs and files store (postgresql://...); "
                                      "default: SQLite file in data_dir")
     models_dir: str = Field("models", description="where jobs find local base models and publish their finished SwiftKV "
@@ -59,6 +68,15 @@ class TrainerSettings(BaseSettings):
                                     "as a Ray job, with data_dir on storage the workers share; default: a child process here")
     ray_num_gpus: float = Field(0, description="GPUs each Ray job asks for (0: none; ray_address only)")
     max_file_bytes: int = Field(512 << 20, description="largest uploaded file, in bytes; more is a 413")
+    max_storage_bytes_per_key: int | None = Field(2 << 30, ge=1024, description="bytes of files (uploads, batch output, job "
+                                                  "results) one key may hold, counted over the file table the gateway shares: "
+                                                  "keep it equal to the gateway's batch.max_storage_bytes_per_key (the chart "
+                                                  "does); an upload past it is a 413 storage_quota_exceeded; null: no quota")
+    file_expiry_seconds: int | None = Field(30 * 86400, ge=3600, description="batch input files uploaded without "
+                                            "expires_after, and batch output files, expire this long after their creation: "
+                                            "keep it equal to the gateway's batch.file_expiry_seconds (the chart does); "
+                                            "fine-tune files and job results expire only by expires_after; null: never")
+    file_sweep_seconds: float = Field(60.0, gt=0, description="how often expired files (rows and bytes) are deleted")
     max_line_bytes: int = Field(1_000_000, ge=1024, description="one line (record) of a training or validation file, like the "
                                 "Batch API's batch.max_line_bytes; a job naming a file with a longer line is a 400 naming the line")
     max_model_bytes: int = Field(16 << 30, ge=0, description="largest hub model a job may download (its safetensors weights, "
@@ -76,16 +94,27 @@ class TrainerSettings(BaseSettings):
                                         "step; past this it is killed and resumes from its last periodic checkpoint (keep "
                                         "the pod's terminationGracePeriodSeconds above it)")
 
+    @field_validator("max_storage_bytes_per_key", "file_expiry_seconds", mode="before")
+    @classmethod
+    def _null(cls, value):  # SWIFTKV_TRAINER_MAX_STORAGE_BYTES_PER_KEY=null, as the chart passes the gateway's null
+        return None if isinstance(value, str) and value.strip().lower() in ("null", "none") else value
+
     @field_validator("allowed_models", mode="before")
     @classmethod
     def _comma_separated(cls, value):  # SWIFTKV_TRAINER_ALLOWED_MODELS="org/a,org/b-*"
         return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
 
 
-def copy_records(source: Path, target: Path, start: int = 0, stop: int | None = None) -> None:
-    """The non-blank lines start..stop of a JSONL file, a line at a time (check_records bounded each line)."""
+def records_of(f, cap: int):
+    """The non-blank lines of a JSONL file opened in binary, one at a time, each at most `cap` bytes (check_records
+    refused longer ones; one longer here is skipped unread, never held)."""
+    return (raw for _, _, raw in jsonl_lines(f, cap) if raw is not None and raw.strip())
+
+
+def copy_records(source: Path, target: Path, cap: int, start: int = 0, stop: int | None = None) -> None:
+    """The non-blank lines start..stop of a JSONL file, a line at a time."""
     with open(source, "rb") as f, open(target, "wb") as out:
-        out.writelines(itertools.islice((line.rstrip(b"\r\n") + b"\n" for line in f if line.strip()), start, stop))
+        out.writelines(itertools.islice((line.rstrip(b"\r\n") + b"\n" for line in records_of(f, cap)), start, stop))
 
 
 class TrainerService:
@@ -97,27 +126,35 @@ class TrainerService:
         data_dir.mkdir(parents=True, exist_ok=True)
         settings.data_dir = str(data_dir.resolve())
         self.store = TrainingStore(settings.database_url or f"sqlite:///{data_dir / 'swiftkv.db'}")
-        self.files = FileStore(data_dir / "files")
         self.io = Threads(2, "swiftkv-training")
+        # the platform's Files API, on the bytes and rows the gateway shares (files_dir, database_url)
+        self.file_api = FilesService(self.store, Path(settings.files_dir).expanduser() if settings.files_dir else data_dir / "files",
+                                     self.io, max_file_bytes=settings.max_file_bytes, quota=settings.max_storage_bytes_per_key,
+                                     expiry_seconds=settings.file_expiry_seconds, quota_setting="max_storage_bytes_per_key",
+                                     body_timeout=settings.body_timeout_seconds, what="the job store")
+        self.files = self.file_api.contents
+        self.body_limits = BodyLimits(settings.max_body_bytes, settings.body_timeout_seconds, "max_body_bytes", "body_timeout_seconds")
         self.file_io = Threads(2, "swiftkv-training-files")  # reading and copying big files, beside the store's calls
         backend = RayJobBackend(settings.ray_address, num_gpus=settings.ray_num_gpus) if settings.ray_address else LocalJobBackend()
         self.worker = Worker(self.store, self.files, settings, backend)
         self.wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._sweep: asyncio.Task | None = None
 
     def prepare_run(self, run_dir: Path, base: Path, method: dict, seed: int, train: Path, valid: Path | None) -> None:
         """The run folder holds everything the job process needs: the settings, its data and (later) its state."""
         hp = method["distillation"]["hyperparameters"]
         run_dir.mkdir(parents=True)
+        cap = self.settings.max_line_bytes
         if valid is not None:
             shutil.copyfile(valid, run_dir / "eval.jsonl")
-            copy_records(train, run_dir / "train.jsonl")
+            copy_records(train, run_dir / "train.jsonl", cap)
         else:  # a held-out tenth when there is enough data, else the training records themselves
             with open(train, "rb") as f:
-                n = sum(1 for line in f if line.strip())
+                n = sum(1 for _ in records_of(f, cap))  # counted streaming, a bounded line at a time
             held = n // 10 if n >= 10 else 0
-            copy_records(train, run_dir / "train.jsonl", 0, n - held)
-            copy_records(train, run_dir / "eval.jsonl", n - held if held else 0)
+            copy_records(train, run_dir / "train.jsonl", cap, 0, n - held)
+            copy_records(train, run_dir / "eval.jsonl", cap, n - held if held else 0)
         s = self.settings
         spec = {
             "distill": {"base": str(base), "out": str(run_dir / "out"), "data": str(run_dir / "train.jsonl"),
@@ -144,8 +181,15 @@ class TrainerService:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self.run())
+        self._sweep = asyncio.create_task(self.file_api.sweep_forever(self.settings.file_sweep_seconds))
+        self.keys.start_watching()  # the keys follow the gateway's keys file (its changes, SIGHUP)
 
     async def stop(self) -> None:
+        await self.keys.stop_watching()
+        if self._sweep is not None:
+            self._sweep.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._sweep
         if self._task is not None:
             self._task.cancel()
             with suppress(asyncio.CancelledError):

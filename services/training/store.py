@@ -1,6 +1,6 @@
 """Fine-tuning jobs, their events and checkpoints, beside the file records (services.common.files) in one database
-(an SQLite file by default, PostgreSQL by URL): given the gateway's database, files uploaded once serve both the
-Batch API and the trainer."""
+(an SQLite file by default, PostgreSQL by URL): given the gateway's database (and its files directory, files_dir), files
+uploaded once serve both the Batch API and the trainer, through one Files API (services.common.files_api)."""
 
 from __future__ import annotations
 
@@ -138,6 +138,11 @@ class TrainingStore:
         with self.engine.connect() as conn:
             rows = [dict(r) for r in conn.execute(q).mappings()]
         return rows[:limit], len(rows) > limit
+
+    def file_in_use(self, file_id: str) -> bool:
+        """Whether a job still reads the file (FileRecords asks before a delete or a sweep): none does, a job copies its
+        files into its run folder as it is created."""
+        return False
 
     def finish_files(self, records: list[dict]) -> None:
         """Result files, ids derived from the job: a repeated finish replaces them."""

@@ -113,7 +113,8 @@ def launch_vllm_server(tiny_base: Path, work: Path) -> Server:
     return vllm_openai_server(work, tiny_base, "--served-model-name", UPSTREAM, f"{PUBLIC}-base", "--api-key", UPSTREAM_KEY, KEY,
                               "--max-model-len", a["max_model_len"], "--enforce-eager", "--dtype", a["dtype"],
                               "--kv-cache-memory-bytes", a["kv_cache_memory_bytes"], "--max-logprobs", "1", "--stream-interval", "3",
-                              "--scheduling-policy", "priority", "--enable-auto-tool-choice", "--tool-call-parser", "hermes").start()
+                              "--scheduling-policy", "priority", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                              "--enable-prompt-tokens-details").start()
 
 
 # ---- vLLM's offline LLM, for the tests of the SwiftKV model inside an engine -----------------------------------

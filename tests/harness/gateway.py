@@ -41,10 +41,11 @@ def platform_config(tiny_base: Path, pools=("swiftkv", "base"), max_model_len: i
 class InProcessGateway:
     """The app over `backends` (default: a FakeBackend per pool of `cfg`), with the API keys `keys` (lines as in a
     keys file, e.g. "sk-x prompt_tokens_per_minute=300"; none: no key needed) and the Batch API unless `batch` is
-    False. The pools are ready unless `ready` is False (the lifespan, which would start them, runs only under uvicorn)."""
+    False. The pools are ready unless `ready` is False (the lifespan, which would start them, runs only under uvicorn).
+    `key_store`: a KeyStore to use instead of `keys` (one reading a keys file, which the lifespan then watches)."""
 
     def __init__(self, cfg: PlatformConfig, backends: dict | None = None, keys: tuple[str, ...] = (), batch: bool = True,
-                 ready: bool = True):
+                 ready: bool = True, key_store=None):
         from services.batch.service import BatchService
         from services.common.keys import KeyStore, load_keys
         from services.gateway.app import Gateway, create_app
@@ -53,7 +54,8 @@ class InProcessGateway:
         self.cfg = cfg
         self.backends = backends if backends is not None else {name: FakeBackend(name) for name in cfg.pools}
         pool = cfg.pools.get("base") or next(iter(cfg.pools.values()))
-        self.gateway = Gateway(cfg, self.backends, Prompter(pool.tokenizer or pool.model), KeyStore(load_keys(",".join(keys), None)))
+        self.gateway = Gateway(cfg, self.backends, Prompter(pool.tokenizer or pool.model),
+                               key_store or KeyStore(load_keys(",".join(keys), None)))
         if ready:
             for state in self.gateway.pools.values():
                 state.ready = True
