@@ -25,13 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-import httpx  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from loadtest.platform_bench import free_port, pct, swiftkv_serve  # noqa: E402
+from loadtest.platform_bench import free_port, pct, swiftkv_serve
 
 
 def documents(text: str, tokenizer, n: int, min_tokens: int, max_tokens: int) -> list[str]:

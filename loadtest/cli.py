@@ -1,5 +1,5 @@
-"""`swiftkv bench platform`: the platform load test as a command of the `swiftkv` CLI (registered by services/cli.py
-in a source checkout, where this package sits beside `services` and `swiftkv_core`)."""
+"""`swiftkv bench platform`: the platform load test as a command of the `swiftkv` CLI (declared under the entry point
+group `swiftkv.bench` in pyproject.toml, which services/cli.py reads)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from swiftkv_core.cli import AsJson, fail, print_json, print_table
+from swiftkv_core.console import AsJson, fail, print_json, print_table
 
 
 def bench_platform_command(
@@ -23,7 +23,8 @@ def bench_platform_command(
                                          "following the engines' KV-cache events), routed-dual (both pools the SwiftKV model as "
                                          "dual-mode engines serving both models: the ratio picks the model, load and prefix "
                                          "cache the engine), base, swiftkv, routed-spec, base-spec (routed-cache / base with "
-                                         "speculative decoding on every pool)")
+                                         "speculative decoding on every pool), routed-responses (routed-cache, every request "
+                                         "through /v1/responses: a conversation's later turn by previous_response_id)")
                        ] = "routed,routed-cache,base,swiftkv",
     spec_method: Annotated[str, typer.Option(help="The -spec configurations' speculative decoding: ngram (prompt lookup) or "
                                              "suffix (Arctic Inference)")] = "ngram",
@@ -96,7 +97,3 @@ def bench_platform_command(
             for name, c in report["configs"].items()]
     print_table(f"{workload}: platform load test", ["config", "rate", "TTFT p50 s", "TTFT p99 s", "TPOT p50 s", "tok/s",
                                                      "goodput req/s", "errors", "pools", "draft acceptance", "mean accepted len"], rows)
-
-
-def register_loadtest_commands(bench_app: typer.Typer) -> None:
-    bench_app.command("platform")(bench_platform_command)

@@ -11,7 +11,7 @@ goes straight into its ASGI app, one at a time, with no HTTP server or client ar
                    compared with the budget in loadtest/gateway_budget.json: exit 1 when one grew more than
                    `tolerance` over it (a slowdown CI catches on any machine, loaded or not)
 
-    .venv/bin/python loadtest/gateway_cost.py [--requests 200] [--profile | --instructions [--record]]
+    .venv/bin/python -m loadtest.gateway_cost [--requests 200] [--profile | --instructions [--record]]
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 BUDGET = ROOT / "loadtest" / "gateway_budget.json"
 CONFIGS = ("open", "keys")
@@ -181,7 +180,7 @@ def count_instructions(count: int, planted: bool = False) -> dict[str, float]:
     phases = {*CONFIGS, "planted"} if planted else set(CONFIGS)
     with tempfile.TemporaryDirectory() as out:
         cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/cg.%p",
-               sys.executable, __file__, "--_instrumented", tokenizer_dir(f"{out}/tokenizer"), "--requests", str(count)]
+               sys.executable, "-m", "loadtest.gateway_cost", "--_instrumented", tokenizer_dir(f"{out}/tokenizer"), "--requests", str(count)]
         env = os.environ | {"PYTHONHASHSEED": "0", "PYTHONMALLOC": "malloc"}  # the same hashing and allocator every run
         done = subprocess.run(cmd + (["--_planted"] if planted else []), env=env, capture_output=True, text=True)
         if done.returncode != 0:

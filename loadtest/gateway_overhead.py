@@ -11,7 +11,7 @@ A client in another process measures, for each configuration
   added latency  p50/p99 of gateway minus baseline, sequential requests (one in flight), interleaved;
   max req/s      routed requests per second through the gateway at high concurrency.
 
-    .venv/bin/python loadtest/gateway_overhead.py [--requests 3000] [--seconds 10] [--concurrency 64]
+    .venv/bin/python -m loadtest.gateway_overhead [--requests 3000] [--seconds 10] [--concurrency 64]
 """
 
 from __future__ import annotations
@@ -28,11 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from loadtest.gateway_cost import CONFIGS, KEYS, LONG, SHORT, tokenizer_dir  # noqa: E402
-from loadtest.platform_bench import free_port, pct  # noqa: E402
+from loadtest.gateway_cost import CONFIGS, KEYS, LONG, SHORT, tokenizer_dir
+from loadtest.platform_bench import free_port, pct
 
 CANNED = {
     "id": "chatcmpl-x", "object": "chat.completion", "created": 0, "model": "bench",
@@ -234,7 +231,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_dir(tmp)
         ports = {name: free_port() for name in (*CONFIGS, "baseline", "shell")}
-        me = [sys.executable, __file__]
+        me = [sys.executable, "-m", "loadtest.gateway_overhead"]
         procs = {name: subprocess.Popen(me + ["--_serve", "gateway", "--_port", str(ports[name]), "--_tokenizer", tmp, "--_config", name])
                  for name in CONFIGS}
         procs |= {name: subprocess.Popen(me + ["--_serve", name, "--_port", str(ports[name])]) for name in ("baseline", "shell")}

@@ -24,6 +24,13 @@ in-process engines, same engine arguments and KV budget each), measured, and sto
              platform config (the method and its settings: --spec-method, --spec-tokens, --spec-lookup-min/max;
              default ngram, 4 tokens, n-grams of 2 to 4). A SwiftKV pool cannot speculate on a GPU, so routed-spec
              is refused there before anything starts
+    routed-responses
+             routed-cache, every request sent through the Responses API (`/v1/responses`, streamed, vLLM's ignore_eos as
+             the chat requests have it): a later turn of a chat-multiturn conversation carries only its own user message
+             and the previous turn's `previous_response_id`, so the gateway rebuilds the conversation from its store; its
+             time to first token is to the first `response.output_text.delta` event (a chat request's: to the first chunk
+             with content). Beside routed-cache (the same conversations through chat with the whole history) and base, it
+             measures what rebuilding the history costs a turn (the per-turn TTFT figures and plot)
 
 The traffic (loadtest.workloads) is sent with the official openai client (async, streaming, usage in the
 last chunk, ignore_eos so every request generates its full max_tokens) at each rate of a sweep; a later turn
@@ -35,7 +42,7 @@ output tokens/s, goodput (requests/s meeting both SLOs), errors, the share of re
 (from the `x-swiftkv-route` header; routed-dual: also the share a pool ran as the other pool's model), and per
 pool what its engines' speculative decoding drafted and accepted (vLLM's counters on the server's /metrics, read
 before and after each rate: loadtest.speculation), and for chat-multiturn the TTFT p50 of first and of later turns (a
-later turn finds its history in the prefix cache). The CPU model, its vector flags and the load average are recorded.
+later turn finds its history in the prefix cache) and TTFT p50/p99 per turn. The CPU model, its vector flags and the load average are recorded.
 
 With a target (`--target URL --target-model NAME`) no configuration is started: the same traffic goes to a
 server already running there (a deployed gateway, vLLM's own OpenAI server), every request asking for NAME,
@@ -80,12 +87,15 @@ LAYOUTS: dict[str, tuple[str, dict]] = {
     "base-spec": ("base", {}),
     "routed-events": ("routed", {"kv_events": True}),
     "routed-dual": ("dual", {}),
+    "routed-responses": ("routed", {}),
 }
 ROUTED_LAYOUTS = ("routed", "dual")  # requests name the public model, and the gateway routes them
 CONFIGS = tuple(LAYOUTS)
 DEFAULT_CONFIGS = ("routed", "routed-cache", "base", "swiftkv")
 SPECULATING = ("routed-spec", "base-spec")  # every pool speculates
 SPEC_METHODS = ("ngram", "suffix")
+RESPONSES_API = ("routed-responses",)  # sent through /v1/responses (a conversation by previous_response_id)
+APIS = ("chat", "responses")
 PUBLIC = "swiftkv-bench"
 
 
@@ -225,7 +235,7 @@ def speculation_refusals(cfg: PlatformBenchConfig, on_cpu: bool) -> list[str]:
     """Why `swiftkv serve` would refuse a chosen -spec configuration on this kind of machine (a SwiftKV pool
     speculating on a GPU, suffix decoding without Arctic Inference): its own check, run before anything starts."""
     from services.config import PlatformConfig
-    from services.platform import speculation_refusal
+    from services.serve import speculation_refusal
 
     refusals = []
     for name in (c for c in cfg.configs if c in SPECULATING):
@@ -382,6 +392,7 @@ class Record:
     finish_reason: str | None = None
     error: str | None = None
     answer: str | None = field(default=None, repr=False)  # the text it got, kept for a conversation's next turn
+    response_id: str | None = None  # the Responses API's id of its answer (a conversation's next turn continues it)
 
     @property
     def tpot_s(self) -> float | None:
@@ -437,6 +448,54 @@ async def one_request(client, req: Request, model: str, t0: float, timeout: floa
     return rec
 
 
+async def one_response(client, req: Request, model: str, t0: float, timeout: float, previous: str | None = None,
+                       conversation: bool = False) -> Record:
+    """`req` sent through the Responses API (streamed, stored) to `model`, continuing the response `previous` (a
+    conversation's earlier turn, which the gateway rebuilds from its store); its TTFT is to the first
+    `response.output_text.delta` event. `conversation`: the record keeps the answer's text and the response's id."""
+    rec = Record(req.index, req.kind, model, sent_s=time.perf_counter() - t0, turn=req.turn)
+    start = time.perf_counter()
+    pieces: list[str] = []
+    try:
+        raw = await client.responses.with_raw_response.create(
+            model=model, input=req.messages()[0]["content"], max_output_tokens=req.max_tokens, temperature=0, stream=True,
+            store=True, previous_response_id=previous, extra_body={"ignore_eos": True}, timeout=timeout)
+        rec.pool, rec.route_reason, rec.mode = parse_route(raw.headers.get("x-swiftkv-route"))
+        stream = raw.parse()
+        if asyncio.iscoroutine(stream):
+            stream = await stream
+        last = None
+        async for event in stream:
+            now = time.perf_counter()
+            if event.type == "response.output_text.delta" and event.delta:
+                pieces.append(event.delta)
+                if rec.ttft_s is None:
+                    rec.ttft_s = now - start
+                else:
+                    rec.itl_s.append(now - last)
+                last = now
+            elif event.type in ("response.completed", "response.incomplete"):
+                response = event.response
+                rec.response_id = response.id
+                # as a chat choice's: cut by max_output_tokens is "length"
+                rec.finish_reason = "stop" if event.type == "response.completed" else "length"
+                if response.usage is not None:
+                    rec.prompt_tokens, rec.output_tokens = response.usage.input_tokens, response.usage.output_tokens
+            elif event.type in ("response.failed", "error"):
+                detail = event.response.error if event.type == "response.failed" else event
+                rec.error = f"{event.type}: {getattr(detail, 'message', detail)}"
+        rec.e2e_s = time.perf_counter() - start
+        if conversation:
+            rec.answer = "".join(pieces)
+        if rec.error is None and rec.ttft_s is None:
+            rec.error = "no output text in the stream"
+        elif rec.error is None and rec.finish_reason is None:
+            rec.error = "the stream ended without response.completed or response.incomplete"
+    except Exception as e:  # a failed request is a figure of the run, not the end of it
+        rec.error = error_text(e)
+    return rec
+
+
 def error_text(e: BaseException) -> str:
     """The exception and what raised it: the openai client's "Connection error." says nothing of which one (a refused
     connection, one the server closed before answering, a read that timed out)."""
@@ -446,24 +505,32 @@ def error_text(e: BaseException) -> str:
 
 
 async def drive(base: str, names: list[str], requests: list[Request], timeout: float, on_done: Callable[[Record], None],
-                api_key: str = "none") -> tuple[list[Record], float]:
+                api_key: str = "none", api: str = "chat") -> tuple[list[Record], float]:
     """Send each request at its arrival time (not waiting for earlier ones), but a later turn of a conversation
     (chat-multiturn) no sooner than its think time after the previous turn's answer has arrived; -> records, in the
     order of `requests`, and the run's span (first send to last finish, as guidellm counts it: the first arrival comes
-    a gap after the clock starts). `on_done` gets each record as its request ends."""
+    a gap after the clock starts). `on_done` gets each record as its request ends. `api`: "chat" (a later turn
+    carries the whole conversation) or "responses" (`/v1/responses`: a later turn carries its own message and the
+    previous turn's previous_response_id)."""
     import httpx
     import openai
 
+    if api not in APIS:
+        raise PlatformBenchError(f"api: unknown {api!r}; choose from {', '.join(APIS)}")
     limits = httpx.Limits(max_connections=10_000, max_keepalive_connections=1000)
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=timeout,
                                 http_client=httpx.AsyncClient(limits=limits, timeout=timeout))
     t0 = time.perf_counter()
     records: list[Record | None] = [None] * len(requests)
 
-    async def send(i: int, not_before: float = 0.0, history: list[dict] | None = None) -> Record:
+    async def send(i: int, not_before: float = 0.0, history: list[dict] | None = None, previous: Record | None = None) -> Record:
         req = requests[i]
         await asyncio.sleep(max(0.0, max(req.arrival_s, not_before) - (time.perf_counter() - t0)))
-        records[i] = await one_request(client, req, names[req.index % len(names)], t0, timeout, history)
+        model = names[req.index % len(names)]
+        if api == "responses":
+            records[i] = await one_response(client, req, model, t0, timeout, previous and previous.response_id, history is not None)
+        else:
+            records[i] = await one_request(client, req, model, t0, timeout, history)
         on_done(records[i])
         return records[i]
 
@@ -479,7 +546,7 @@ async def drive(base: str, names: list[str], requests: list[Request], timeout: f
                                     error=f"not sent: turn {prev.turn} of its conversation failed")
                 on_done(records[i])
                 continue
-            prev = await send(i, 0.0 if prev is None else prev.sent_s + prev.e2e_s + req.think_s, history)
+            prev = await send(i, 0.0 if prev is None else prev.sent_s + prev.e2e_s + req.think_s, history, prev)
             history += [*req.messages(), {"role": "assistant", "content": prev.answer}]
 
     chains: dict[int | None, list[int]] = {}
@@ -503,15 +570,17 @@ def draws(cfg: PlatformBenchConfig, rates: list[float], tokenizer) -> tuple[dict
     return seeds, workloads, warmup
 
 
-async def warm_up(base: str, names: list[str], requests: list[Request], n: int, timeout: float, api_key: str = "none") -> None:
-    """A few requests to each model name in `names` (the pools pinned, then what the run asks for), not measured."""
+async def warm_up(base: str, names: list[str], requests: list[Request], n: int, timeout: float, api_key: str = "none",
+                  api: str = "chat") -> None:
+    """A few requests to each model name in `names` (the pools pinned, then what the run asks for), not measured; with
+    `api` "responses", through /v1/responses (which opens the response store)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=timeout)
     try:
         for name in dict.fromkeys(names):
             for req in requests[:n]:
-                rec = await one_request(client, req, name, time.perf_counter(), timeout)
+                rec = await (one_response if api == "responses" else one_request)(client, req, name, time.perf_counter(), timeout)
                 if rec.error:
                     raise PlatformBenchError(f"warm-up request to {name} failed: {rec.error}")
     finally:
@@ -572,6 +641,17 @@ def figures(records: list[Record], span_s: float, rate: float, cfg: PlatformBenc
     if any(r.turn for r in records):  # conversations: a later turn's history should be in the prefix cache
         out["ttft_p50_first_turn_s"] = r4(pct([r.ttft_s for r in ok if r.turn == 1], 50))
         out["ttft_p50_later_turns_s"] = r4(pct([r.ttft_s for r in ok if r.turn > 1], 50))
+        out["ttft_by_turn"] = ttft_by_turn(records)
+    return out
+
+
+def ttft_by_turn(records: list[Record]) -> dict[str, dict]:
+    """turn (from 1) -> TTFT p50/p99 of its requests that succeeded, and how many were sent and succeeded."""
+    out = {}
+    for turn in sorted({r.turn for r in records if r.turn}):
+        sent = [r for r in records if r.turn == turn]
+        ttft = [r.ttft_s for r in sent if r.error is None]
+        out[str(turn)] = {"p50_s": r4(pct(ttft, 50)), "p99_s": r4(pct(ttft, 99)), "requests": len(sent), "completed": len(ttft)}
     return out
 
 
@@ -599,7 +679,7 @@ def config_summary(per_rate: dict[float, dict], reference_rate: float) -> dict:
             "throughput_tok_s": per_rate[at]["throughput_tok_s"], "throughput_rate": at,
             "highest_sustained_rate": sustained[-1] if sustained else None, "pool_share": ref["pool_share"],
             "speculation": ref.get("speculation", {}), "prefix_cache": ref.get("prefix_cache", {}),
-            "ttft_predicted": ref.get("ttft_predicted", {}),
+            "ttft_predicted": ref.get("ttft_predicted", {}), **({"ttft_by_turn": ref["ttft_by_turn"]} if "ttft_by_turn" in ref else {}),
             "rates": {str(r): {k: v for k, v in f.items() if k != "ttft_all_s"} for r, f in sorted(per_rate.items())}}
 
 
@@ -661,13 +741,14 @@ def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[d
                 server, names = serve(name, cfg, Path(tmp), log), model_names(name)
                 warm = [f"{PUBLIC}-swiftkv", f"{PUBLIC}-base", *names]
             with server as base:
-                asyncio.run(warm_up(base, warm, warmup, cfg.warmup_requests, cfg.request_timeout_s, cfg.api_key))
+                api = "responses" if name in RESPONSES_API else "chat"
+                asyncio.run(warm_up(base, warm, warmup, cfg.warmup_requests, cfg.request_timeout_s, cfg.api_key, api))
                 for rate in rates:
                     reqs = workloads[rate]
                     task = progress.add_task(f"{name} @ {rate:g} req/s", total=len(reqs))
                     before = spec.scrape(base, cfg.api_key)
                     records, span = asyncio.run(drive(base, names, reqs, cfg.request_timeout_s, lambda rec, t=task: progress.advance(t),
-                                                      cfg.api_key))
+                                                      cfg.api_key, api))
                     per_rate[rate] = figures(records, span, rate, cfg)
                     after = spec.scrape(base, cfg.api_key)
                     drafted = spec.speculation(before, after)
@@ -681,6 +762,8 @@ def run(cfg: PlatformBenchConfig, log: Callable[[str], None] = print) -> tuple[d
                         f"errors {per_rate[rate]['errors']}, pools {per_rate[rate]['pool_share']}"
                         + (f", TTFT p50 first turns {per_rate[rate]['ttft_p50_first_turn_s']} s, later turns "
                            f"{per_rate[rate]['ttft_p50_later_turns_s']} s" if "ttft_p50_first_turn_s" in per_rate[rate] else "")
+                        + (", TTFT p50/p99 by turn " + " ".join(f"{t}:{v['p50_s']}/{v['p99_s']}" for t, v in per_rate[rate]["ttft_by_turn"].items())
+                           if "ttft_by_turn" in per_rate[rate] else "")
                         + (", draft acceptance {}, mean accepted length {}".format(*spec.cells(per_rate[rate]["speculation"]))
                            if any(v["speculative"] for v in drafted.values()) else "")
                         + "".join(f", {pool} prefix-cache hits {c['hit_rate']} (gateway predicted {c['predicted_hit_rate']})"
@@ -725,7 +808,8 @@ def _progress(enabled: bool):
 
 def plot(report: dict, samples: dict[str, dict[float, list[float]]], out_json: Path) -> list[Path]:
     """TTFT p50/p99 against offered load per configuration, and the TTFT CDF at the reference rate; PNGs
-    next to `out_json` (<stem>_ttft_vs_load.png, <stem>_ttft_cdf.png)."""
+    next to `out_json` (<stem>_ttft_vs_load.png, <stem>_ttft_cdf.png); for conversations (chat-multiturn) TTFT p50/p99
+    per turn at the reference rate too (<stem>_ttft_by_turn.png)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -759,4 +843,20 @@ def plot(report: dict, samples: dict[str, dict[float, list[float]]], out_json: P
     fig.tight_layout()
     fig.savefig(paths[1], dpi=120)
     plt.close(fig)
+    by_turn = {name: c["ttft_by_turn"] for name, c in report["configs"].items() if c.get("ttft_by_turn")}
+    if by_turn:
+        paths.append(Path(f"{stem}_ttft_by_turn.png"))
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, turns in by_turn.items():
+            xs = sorted(int(t) for t in turns)
+            for q, style in (("p50", "-o"), ("p99", "--s")):
+                ys = [turns[str(t)][f"{q}_s"] for t in xs]
+                ax.plot(xs, [float("nan") if y is None else y for y in ys], style, label=f"{name} {q}")
+        ax.set(xlabel="turn of the conversation", ylabel="TTFT (s)", title=f"TTFT per turn at {ref:g} req/s: {title}")
+        ax.set_xticks(sorted({int(t) for turns in by_turn.values() for t in turns}))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     return paths

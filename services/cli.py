@@ -5,12 +5,11 @@ Heavy imports (torch, vLLM, Ray) happen inside the commands so `swiftkv --help` 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from importlib.metadata import distributions
 
 import typer
 
-from services.platform import register_serving_commands
+from services.serve import register_serving_commands
 from services.training.cli import register_trainer_commands
 from swiftkv_core.cli import register_core_commands
 
@@ -20,21 +19,29 @@ register_serving_commands(app)
 register_trainer_commands(app)
 
 
-def _register_loadtest_commands() -> None:
-    """`swiftkv bench platform` lives with the load tests, beside the packages in a source checkout (they are not
-    installed); elsewhere the command is absent."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "loadtest" / "cli.py").exists():
-        return
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from loadtest.cli import register_loadtest_commands
+def _register_bench_plugins() -> None:
+    """`swiftkv bench NAME` commands other packages declare under the entry point group `swiftkv.bench`: the load
+    tests' `swiftkv bench platform` (loadtest.cli, installed with the project). Found by name, so the services import
+    nothing of the load tests, which sit above them."""
     from swiftkv_core.vllm.bench import bench_app
 
-    register_loadtest_commands(bench_app)
+    # Every distribution's, not importlib.metadata.entry_points(), which reads only the first copy of each project's
+    # metadata on sys.path: in a checkout that can be a stale swiftkv.egg-info from an older build, without the group.
+    plugins = {}
+    for dist in distributions():
+        for plugin in dist.entry_points.select(group="swiftkv.bench"):
+            plugins.setdefault(plugin.name, plugin)
+    for plugin in plugins.values():
+        try:
+            command = plugin.load()
+        except ModuleNotFoundError as e:  # declared, but its package is not in this install (an image without loadtest/)
+            if e.name and f"{plugin.module}.".startswith(f"{e.name}."):
+                continue
+            raise
+        bench_app.command(plugin.name)(command)
 
 
-_register_loadtest_commands()
+_register_bench_plugins()
 
 
 @app.callback()

@@ -41,7 +41,7 @@ DEFAULT_CONFIG = """\
 # decoding"), where decode-heavy requests go. The swiftkv pool does not speculate, so requests with logit_bias or min_p
 # (which vLLM refuses under speculative decoding) are served there (docs/concepts/speculation.md).
 # On a CPU both pools then run the SwiftKV model as dual-mode engines, each serving the base model too, per request
-# (docs/benchmarks.md, "Dual-mode engines"); on a GPU each pool keeps its model (services/platform.default_dual_mode).
+# (docs/benchmarks.md, "Dual-mode engines"); on a GPU each pool keeps its model (services/serve/preflight.default_dual_mode).
 # No tool_call_parser: SmolLM2-135M-Instruct's chat template renders no tools and its vocabulary has no tool-call
 # tokens, so no vLLM parser fits; tool_choice auto is refused, required and named functions work (docs/serving/responses.md).
 model: swiftkv-smollm2            # the public name; requests for it are routed between the pools
@@ -141,6 +141,26 @@ class SpeculativeConfig(StrictModel):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
+class SLOConfig(StrictModel):
+    """A pool's latency objective (all optional): what the gateway measures its live requests against
+    (swiftkv_slo_ttft_requests), sheds past (`max_queue_seconds`) and sizes the pool for (swiftkv_pool_desired_replicas);
+    the chart's TTFT and burn-rate alerts read the same values (docs/operations/slo.md)."""
+
+    ttft_seconds: float | None = Field(None, gt=0, description="time to first token a live request of this pool should "
+                                       "get (gateway-side, request received to first token sent); requests are counted "
+                                       "within or over it, the chart alerts on its p95 and on the error budget's burn rate, "
+                                       "and the desired replicas keep the predicted TTFT under it; null: no TTFT objective")
+    objective: float = Field(0.99, gt=0, lt=1, description="share of live requests that should get their first token "
+                             "within ttft_seconds: 1 - objective is the error budget whose burn rate the chart alerts on")
+    tpot_seconds: float | None = Field(None, gt=0, description="mean time per output token after the first a live request "
+                                       "should get; the desired replicas keep the pool's measured decode rate at its "
+                                       "concurrency above 1/tpot_seconds per sequence; null: no TPOT objective")
+    max_queue_seconds: float | None = Field(None, gt=0, description="shed: a live request whose predicted time to first "
+                                            "token on the pool it is routed to exceeds this is refused at once with a "
+                                            "429 `overloaded` and Retry-After, rather than queued past its SLO; null: "
+                                            "never shed (the default)")
+
+
 class PoolConfig(StrictModel):
     """One pool: identical engines (or remote servers) serving one model, and how they run."""
 
@@ -175,6 +195,8 @@ class PoolConfig(StrictModel):
                            "bound to (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto (several in-process engines: each its own "
                            "cores; one: vLLM's own binding), nobind, or CPU ids such as 0, 0-3 or 0,2 (one list per worker, "
                            "separated by |); Ray replicas and GPUs keep vLLM's own")
+    slo: SLOConfig = Field(default_factory=SLOConfig, description="the pool's latency objective: ttft_seconds, "
+                           "objective, tpot_seconds, max_queue_seconds (docs/operations/slo.md)")
     dual_mode: bool = Field(False, description="the pool's engines run its SwiftKV checkpoint as dual-mode engines: they serve "
                             "the base model too, per request (swiftkv_core/dual_mode.py); the router then keeps each request's "
                             "model and chooses the engine by load and prefix cache. A remote pool: its vLLM server was started "
@@ -270,7 +292,8 @@ class RoutingConfig(StrictModel):
                           "the ratio alone decides while both pools are up")
     decode_token_cost: float = Field(4.0, gt=0, description="the work of one output token in prompt tokens' prefill work: on "
                                      "2 CPU cores a batched decode step per sequence costs about what 4-7 prompt tokens of "
-                                     "prefill do (docs/benchmarks.md, Engine); on GPUs decode is relatively cheaper")
+                                     "prefill do (docs/benchmarks.md, Engine); on GPUs decode is relatively cheaper. The prior: once a pool's decode rate at its "
+                                     "batch size is measured, that prices its output tokens (docs/operations/slo.md)")
     balance_margin_tokens: int = Field(2048, ge=0, description="balance: the difference in predicted work, in prompt-token "
                                        "units, below which the ratio's choice stands (about one prompt-heavy request)")
     cache_aware: bool = Field(True, description="let what each pool holds in vLLM's prefix cache (as the gateway tracks it) "
@@ -340,7 +363,18 @@ class LimitsConfig(StrictModel):
                                    "request together; more is a 400. Each is an object to validate: the bound keeps what "
                                    "one body costs the gateway's CPU (which holds the GIL) small whatever its bytes")
     max_concurrent_requests: int | None = Field(512, ge=1, description="generation, /tokenize and /detokenize requests one gateway process holds at once "
-                                                "(streams until their last byte); more are a 503 with Retry-After; null: no cap")
+                                                "(streams until their last byte), counted once the body is in; more wait up to "
+                                                "slot_wait_seconds, then are a 503 with Retry-After; null: no cap")
+    max_concurrent_requests_per_key: int | None = Field(None, ge=1, description="generation, /tokenize and /detokenize "
+                                                        "requests one API key (all callers without keys) holds at once in one "
+                                                        "gateway process, counted from arrival (reading the body included) to "
+                                                        "the last byte; more are a 429 before the body is read. A key's "
+                                                        "max_concurrent_requests in api_keys_file overrides it; null: no "
+                                                        "per-key bound (one key's slow bodies may then hold every slot)")
+    slot_wait_seconds: float = Field(3.0, ge=0, description="how long a request whose body is in waits for one of the "
+                                     "max_concurrent_requests slots when all are held, in a queue fair across keys (FIFO "
+                                     "per key, keys in turn; at most max_concurrent_requests waiting), before its 503; "
+                                     "0: the 503 at once")
     header_timeout_seconds: float = Field(10.0, gt=0, description="from a connection's (or request's) first byte to the end of "
                                           "its headers; a client still sending them is disconnected")
     body_timeout_seconds: float = Field(30.0, gt=0, description="to receive a whole request body; a slower one is a 408")
@@ -485,10 +519,6 @@ class PlatformConfig(StrictModel):
         for name, pool in self.pools.items():
             if pool.ray_app and not self.ray_address:
                 raise ValueError(f"pools.{name}.ray_app attaches to an application on a running Ray cluster: set ray_address")
-            if pool.dual_mode and self.routing.kv_events:
-                raise ValueError(f"pools.{name}.dual_mode with routing.kv_events: the gateway's block hashes include an API "
-                                 "key's cache salt but not the base mode's, so the events of a dual-mode engine's base-mode "
-                                 "blocks would not match them; turn routing.kv_events off (the index then predicts what the engines hold)")
         names = [self.served_name(p) for p in self.pools] + [self.model]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be distinct: {names}")

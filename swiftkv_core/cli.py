@@ -10,10 +10,7 @@ from typing import Annotated
 
 import typer
 
-
-def fail(message: str) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code=2)
+from .console import AsJson, fail, print_json, print_table
 
 
 def convert_command(
@@ -108,29 +105,10 @@ def _checked(report, *args):
         fail(str(e))
 
 
-def print_json(data: dict) -> None:
-    import json
-
-    typer.echo(json.dumps(data, indent=2))
-
-
-def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    for c in columns:
-        table.add_column(c, justify="right")
-    for r in rows:
-        table.add_row(*r)
-    Console().print(table)
-
-
 Preset = Annotated[str | None, typer.Option(help="llama-3.1-8b | llama-3.1-70b | llama-3.1-405b | smollm2-135m")]
 ModelDir = Annotated[str | None, typer.Option("--model", help="Read the shape from a checkpoint's config instead")]
 NumKVLayers = Annotated[int | None, typer.Option(help="l (default: half the layers)")]
 GroupSize = Annotated[int, typer.Option(help="AcrossKV group size g")]
-AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for machines")]
 
 
 @analyze_app.command("flops")

@@ -522,7 +522,7 @@ def test_two_gateways_on_postgres_share_work_and_take_over_from_a_dead_one(upstr
 # ---- settings ----------------------------------------------------------------------------------------
 def test_store_settings_from_yaml_env_and_flags(tiny_base, tmp_path, monkeypatch):
     from services.config import load_config
-    from services.platform import ServeSettings
+    from services.serve import ServeSettings
 
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({"pools": {"base": {"model": str(tiny_base)}}, "data_dir": "/srv/a",

@@ -262,6 +262,93 @@ def test_chat_multiturn_closed_loop_through_the_gateway(tiny_base, corpus, token
 
 
 @needs_manpages
+def test_chat_multiturn_through_the_responses_api(tiny_base, corpus, tokenizer, tmp_path):
+    """routed-responses' traffic, through the real gateway over the fake backend: the same conversations sent through
+    /v1/responses (each later turn its own message and the previous turn's previous_response_id, streamed, with
+    ignore_eos) reach the engine as the very prompts the chat requests with the whole history make, turn for turn; each
+    turn's response is stored and continues the one before; the figures give TTFT p50/p99 per turn for both, and the
+    plot draws them."""
+    import asyncio
+    import re
+
+    from harness import served_gateway
+
+    from loadtest.platform_bench import (
+        LAYOUTS,
+        RESPONSES_API,
+        PlatformBenchConfig,
+        PlatformBenchError,
+        config_summary,
+        drive,
+        figures,
+        model_names,
+        platform_config,
+        plot,
+    )
+
+    assert RESPONSES_API == ("routed-responses",) and model_names("routed-responses") == model_names("routed-cache")
+    assert platform_config("routed-responses", PlatformBenchConfig(), 1) == platform_config("routed-cache", PlatformBenchConfig(), 1)
+    assert LAYOUTS["routed-responses"] == LAYOUTS["routed-cache"]
+    seen: list = []
+
+    def script(request):  # the answer depends on the turn alone (the answers already in the prompt): both APIs get the same
+        seen.append(request)
+        turn = len(re.findall(r"Qz\d+_0\b", tokenizer.decode(request.prompt_token_ids)))
+        pieces = [f" Qz{turn}_{i}" for i in range(request.sampling.max_tokens)]
+        return [Output([ChoiceDelta(0, p, 1, "length" if i == len(pieces) - 1 else None)]) for i, p in enumerate(pieces)]
+
+    def prompt_of(q, requests) -> list[int]:  # the engine's prompt for turn q: its document, after q.turn - 1 answers
+        (found,) = [r.prompt_token_ids for r in requests if q.document in tokenizer.decode(r.prompt_token_ids)
+                    and len(re.findall(r"Qz\d+_0\b", tokenizer.decode(r.prompt_token_ids))) == q.turn - 1]
+        return found
+
+    from services.serving.backend import ChoiceDelta, Output
+
+    reqs = generate("chat-multiturn", corpus, tokenizer, rate=300.0, count=12, seed=2, scale=0.05)
+    by_api: dict[str, tuple] = {}
+    with served_gateway(tiny_base, tmp_path, fake={"script": script, "delay": 0.02}, batch=False, max_model_len=2048) as server:
+        for api in ("chat", "responses"):
+            seen.clear()
+            records, span = asyncio.run(drive(server.base, ["m"], reqs, 60, lambda rec: None, api=api))
+            assert all(r.error is None for r in records), (api, [r.error for r in records])
+            by_api[api] = (records, span, list(seen))
+        with pytest.raises(PlatformBenchError, match="api: unknown 'grpc'"):
+            asyncio.run(drive(server.base, ["m"], reqs, 60, lambda rec: None, api="grpc"))
+        records = by_api["responses"][0]
+        stored = {r.response_id: httpx.get(f"{server.base}/v1/responses/{r.response_id}").json() for r in records}
+    chat_records, _, chat_seen = by_api["chat"]
+    _, _, responses_seen = by_api["responses"]
+    assert len(responses_seen) == len(chat_seen) == 12 and all(r.sampling.ignore_eos for r in responses_seen)
+    for q, rec, chat_rec in zip(reqs, records, chat_records):
+        assert prompt_of(q, responses_seen) == prompt_of(q, chat_seen), (q.group, q.turn)  # the same conversation, rebuilt
+        assert rec.answer == chat_rec.answer and rec.finish_reason == "length" and rec.output_tokens == q.max_tokens
+        assert rec.prompt_tokens == chat_rec.prompt_tokens == len(prompt_of(q, chat_seen)) and rec.ttft_s > 0
+    turns: dict[int, list] = {}
+    for q, rec in zip(reqs, records):
+        turns.setdefault(q.group, []).append(rec)
+    for conv in turns.values():
+        assert [r.turn for r in conv] == [1, 2, 3, 4, 5, 6]
+        assert stored[conv[0].response_id]["previous_response_id"] is None
+        for prev, rec in zip(conv, conv[1:]):  # each turn continues the previous one, sent once its answer was in
+            assert stored[rec.response_id]["previous_response_id"] == prev.response_id
+            assert rec.sent_s >= prev.sent_s + prev.e2e_s - 1e-3
+    cfg = PlatformBenchConfig()
+    report = {"workload": "chat-multiturn", "reference_rate": 300.0, "machine": {"cpu_model": "test"}, "configs": {}}
+    samples = {}
+    for name, api in (("routed-cache", "chat"), ("routed-responses", "responses")):
+        records, span, _ = by_api[api]
+        f = figures(records, span, 300.0, cfg)
+        assert list(f["ttft_by_turn"]) == ["1", "2", "3", "4", "5", "6"]
+        assert all(v["requests"] == v["completed"] == 2 and 0 < v["p50_s"] <= v["p99_s"] for v in f["ttft_by_turn"].values())
+        samples[name] = {300.0: f.pop("ttft_all_s")}
+        report["configs"][name] = config_summary({300.0: f}, 300.0)
+        assert report["configs"][name]["ttft_by_turn"] == f["ttft_by_turn"]
+    paths = plot(report, samples, tmp_path / "report.json")
+    assert [p.name for p in paths] == ["report_ttft_vs_load.png", "report_ttft_cdf.png", "report_ttft_by_turn.png"]
+    assert all(is_plot(p) for p in paths)
+
+
+@needs_manpages
 def test_pinned_configurations_send_each_pool_half_the_requests(tiny_base, corpus, tokenizer, tmp_path):
     """base and swiftkv (both pools on one model) ask for each pool by its own name in turn; the gateway's route
     header then says `pinned`, and the figures split the traffic evenly. Through the real gateway over the fake
@@ -384,6 +471,28 @@ def test_platform_run_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
     assert routed["prefix_cache"]["swiftkv"]["queries"] > 0 and routed["prefix_cache"]["swiftkv"]["predicted_hit_rate"] is not None
     for png in report["plots"]:
         assert is_plot(Path(png))
+
+
+@needs_manpages
+@pytest.mark.slow
+@pytest.mark.engine
+def test_the_responses_api_configuration_on_tiny_models(tiny_base, tiny_swiftkv, corpus, tmp_path):
+    """routed-responses through `swiftkv serve` with real engines: six-turn conversations by previous_response_id,
+    every turn answered, TTFT p50/p99 per turn in the report and its plot. (Its comparison with routed-cache and base is
+    the same run with `--configs routed-responses,routed-cache,base`: docs/benchmarks.md.)"""
+    out = tmp_path / "report.json"
+    r = swiftkv("--workload", "chat-multiturn", "--rate", "4", "--count", "12", "--scale", "0.05", "--configs", "routed-responses",
+                "--base-model", str(tiny_base), "--swiftkv-model", str(tiny_swiftkv), "--text", str(corpus),
+                "--max-model-len", "512", "--kv-cache-mib", "32", "--dtype", "float32", "--out", str(out), "--json",
+                "--no-progress", "--quiet-load", "1000")
+    assert r.returncode == 0, r.stderr[-4000:]
+    report = json.loads(r.stdout)
+    c = report["configs"]["routed-responses"]
+    assert c["errors"] == 0 and set(c["rates"]["4.0"]["route_reasons"]) <= {"ratio", "backlog", "prefix", "cache_key"}
+    assert list(c["ttft_by_turn"]) == ["1", "2", "3", "4", "5", "6"]
+    assert all(t["completed"] == t["requests"] == 2 and 0 < t["p50_s"] <= t["p99_s"] for t in c["ttft_by_turn"].values())
+    assert [Path(p).name for p in report["plots"]] == ["report_ttft_vs_load.png", "report_ttft_cdf.png", "report_ttft_by_turn.png"]
+    assert all(is_plot(Path(p)) for p in report["plots"])
 
 
 def test_each_configuration_can_wait_for_a_quiet_machine():
@@ -617,7 +726,8 @@ def test_spec_configurations_speculate_on_every_pool(tmp_path):
     from loadtest.platform_bench import CONFIGS, DEFAULT_CONFIGS, PUBLIC, PlatformBenchConfig, model_names, platform_config
     from services.config import PlatformConfig
 
-    assert CONFIGS == ("routed", "routed-cache", "base", "swiftkv", "routed-spec", "base-spec", "routed-events", "routed-dual")
+    assert CONFIGS == ("routed", "routed-cache", "base", "swiftkv", "routed-spec", "base-spec", "routed-events", "routed-dual",
+                       "routed-responses")
     assert DEFAULT_CONFIGS == CONFIGS[:4]
     base, swift = checkpoint(tmp_path / "base", False), checkpoint(tmp_path / "swiftkv", True)
     cfg = PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift))
@@ -658,7 +768,7 @@ def test_routed_dual_runs_the_swiftkv_model_as_dual_mode_engines_on_both_pools(t
     from loadtest.platform_bench import PUBLIC, PlatformBenchConfig, Record, figures, model_names, parse_route, platform_config
     from services.config import PlatformConfig
     from services.gateway.routing import Decision
-    from services.platform import _check_models
+    from services.serve import check_models
 
     base, swift = checkpoint(tmp_path / "base", False), checkpoint(tmp_path / "swiftkv", True)
     built = platform_config("routed-dual", PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift)), 8123)
@@ -669,7 +779,7 @@ def test_routed_dual_runs_the_swiftkv_model_as_dual_mode_engines_on_both_pools(t
     assert (platform.routing.balance, platform.routing.cache_aware, platform.routing.kv_events) == (True, True, False)
     for pool in platform.pools.values():
         assert pool.vllm_engine_args()["hf_overrides"] == {"swiftkv_dual_mode": True}
-    _check_models(platform)
+    check_models(platform)
     assert all("dual_mode" not in pool for name in ("routed", "routed-cache", "base", "swiftkv")
                for pool in platform_config(name, PlatformBenchConfig(base_model=str(base), swiftkv_model=str(swift)), 1)["pools"].values())
     assert parse_route(Decision("base", "backlog", 12.5, mode="swiftkv").header(True)) == ("base", "backlog", "swiftkv")

@@ -185,7 +185,8 @@ def test_kv_events_in_plain_deployments_reach_the_gateway(tmp_path):
 def test_dual_mode_pools_start_dual_mode_servers_and_the_gateway_knows(tmp_path):
     """A pool's dual_mode: with engine servers, each starts with the override in --hf-overrides (beside the pool's own
     hf_overrides) and the gateway's remote pool says dual_mode; on Ray the pool's config carries it to the replicas'
-    engine args (services/config.py). With routing.kv_events it is refused before anything is deployed."""
+    engine args (services/config.py). With routing.kv_events too (the index hashes base-mode blocks as the engine salts
+    them: tests/test_prefix_routing.py), the gateway follows each engine's events."""
     from services.config import load_config
 
     preset = ROOT / "deploy/helm/presets/plain-deployments.yaml"
@@ -201,8 +202,10 @@ def test_dual_mode_pools_start_dual_mode_servers_and_the_gateway_knows(tmp_path)
     assert "--hf-overrides" not in find(render(preset), "Deployment", "engine-base")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
     ray = yaml.safe_load(find(render(None, *dual[:4]), "RayService")[0]["spec"]["serveConfigV2"])
     assert all(app["args"]["config"]["dual_mode"] for app in ray["applications"])
-    r = run(tool("helm"), "template", "swiftkv", CHART, *dual[:2], "--set", "platform.routing.kv_events=true", check=False)
-    assert r.returncode != 0 and "platform.pools.swiftkv.dual_mode with platform.routing.kv_events" in r.stderr
+    events = render(preset, *dual[:2], "--set", "platform.routing.kv_events=true")
+    path.write_text(find(events, "ConfigMap", "platform")[0]["data"]["platform.yaml"])
+    cfg = load_config(path)
+    assert cfg.routing.kv_events and cfg.pools["swiftkv"].dual_mode and cfg.pools["swiftkv"].kv_events_endpoint
 
 
 def test_every_pod_runs_as_non_root():
@@ -228,7 +231,9 @@ def test_every_pod_runs_as_non_root():
     (["--set", "gateway.replcas=3"], "replcas"),
     (["--set", "platform.pools.extra.model=x"], "platform.pools"),
     (["--set", "platform.pools.prefill.model=x"], 'platform.pools must be one of the following: "swiftkv", "base"'),  # a former name
-    (["--set", "alerts.ttftP95Seconds=0"], "alerts.ttftP95Seconds"),
+    (["--set", "platform.pools.swiftkv.slo.ttft_seconds=0"], "platform.pools.swiftkv.slo.ttft_seconds"),
+    (["--set", "platform.pools.base.slo.objective=1"], "platform.pools.base.slo.objective"),
+    (["--set", "platform.pools.base.slo.ttft=1"], "ttft"),
     (["--set", "trainer.enabled=yes"], "trainer.enabled"),
     (["--set", "platform.pools.swiftkv.dual_mode=yes"], "platform.pools.swiftkv.dual_mode"),
     (["--set", "trainer.replicas=2"], "replicas"),  # one trainer: its worker loop owns the jobs
@@ -579,7 +584,9 @@ def rules_file(tmp_path: Path, *extra: str) -> Path:
 
 def test_promtool_check_rules(tmp_path):
     out = run(tool("promtool"), "check", "rules", rules_file(tmp_path, "--set", "alerts.batchBacklog.enabled=true")).stdout
-    assert "SUCCESS: 8 rules found" in out  # 5 alerts and SwiftKVMetricsAbsent for gateway, Ray workers, trainer
+    # per pool (2) the TTFT alert and the two burn-rate alerts of its SLO, 4 more alerts and SwiftKVMetricsAbsent for
+    # gateway, Ray workers, trainer
+    assert "SUCCESS: 13 rules found" in out
 
 
 def test_promtool_fires_each_alert(tmp_path):
@@ -634,6 +641,42 @@ def test_promtool_fires_each_alert(tmp_path):
     test_file.write_text(yaml.safe_dump(tests, sort_keys=False))
     out = run(tool("promtool"), "test", "rules", test_file).stdout
     assert "SUCCESS" in out
+
+
+def test_promtool_fires_the_error_budget_burn_rate_alerts(tmp_path):
+    """The multiwindow burn-rate alerts of each pool's SLO (platform.pools.<name>.slo: 2 s, objective 0.99): pool swiftkv
+    misses its TTFT SLO on 20% of its requests all along (burn rate 20: both alerts fire); pool base missed it on half of
+    them for 20 minutes and none since: its long windows still burn, its short ones no longer, so neither fires."""
+    slo = 'swiftkv_slo_ttft_requests_total{pool="%s",outcome="%s"}'
+    series = [
+        {"series": slo % ("swiftkv", "within"), "values": "0+80x70"},
+        {"series": slo % ("swiftkv", "over"), "values": "0+15x70"},
+        {"series": slo % ("swiftkv", "shed"), "values": "0+5x70"},  # shed requests spend the budget too
+        {"series": slo % ("base", "within"), "values": "0+50x20 1000+100x50"},
+        {"series": slo % ("base", "over"), "values": "0+50x20 1000+0x50"},
+        {"series": slo % ("base", "shed"), "values": "0x70"},
+    ]
+
+    def fired(alert: str, long: str, short: str, rate: str, spent: str, within: str) -> list[dict]:
+        return [{"exp_labels": {"severity": "critical", "pool": "swiftkv"}, "exp_annotations": {
+            "summary": f"Pool swiftkv burns its TTFT error budget 20x as fast as its SLO allows ({long} and {short} windows)",
+            "description": f"Live requests of pool swiftkv miss its 2s TTFT SLO (or are shed) over {rate} times as often as its "
+                           f"objective of 0.99 allows, in the last {long} and {short}: at this rate {spent} of a 30-day error "
+                           f"budget goes in {within} (swiftkv_slo_ttft_requests_total)."}}]
+
+    tests = {"rule_files": [str(rules_file(tmp_path))], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": series,
+        "alert_rule_test": [
+            {"eval_time": "30m", "alertname": "SwiftKVErrorBudgetBurnFast",
+             "exp_alerts": fired("SwiftKVErrorBudgetBurnFast", "1h", "5m", "14.4", "2%", "1 hour")},
+            {"eval_time": "60m", "alertname": "SwiftKVErrorBudgetBurnSlow",
+             "exp_alerts": fired("SwiftKVErrorBudgetBurnSlow", "6h", "30m", "6", "5%", "6 hours")},
+        ]}]}
+    test_file = tmp_path / "burn_rate_test.yaml"
+    test_file.write_text(yaml.safe_dump(tests, sort_keys=False))
+    out = run(tool("promtool"), "test", "rules", test_file, check=False)
+    assert "SUCCESS" in out.stdout, out.stdout + out.stderr
 
 
 def test_promtool_fires_the_training_alert(tmp_path):

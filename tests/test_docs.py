@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # docs.generate lives beside the packages, like loadtest
+if str(ROOT) not in sys.path:  # docs.generate lives beside the packages, not installed with them
     sys.path.insert(0, str(ROOT))
 
 from docs.generate import PAGES, cli, helm_values, http_api  # noqa: E402
@@ -262,7 +262,7 @@ def _json_schema_paths(schema: dict, node: dict, path: str = "") -> list[str]:
 
 def test_config_page_names_every_field(pages):
     from services.config import PlatformConfig
-    from services.platform import ServeSettings
+    from services.serve import ServeSettings
 
     spans = _code_spans(pages["serving/config.md"])
     schema = PlatformConfig.model_json_schema()

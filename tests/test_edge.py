@@ -207,11 +207,12 @@ def test_an_idle_keep_alive_connection_is_left_for_the_client_to_close(edge_serv
     s.close()
 
 
-def test_concurrency_cap_answers_503_with_retry_after(client, edge_server):
-    """Three requests whose bodies are still on their way hold the three slots (a request holds one from its
-    headers to its last response byte); the fourth is refused at once."""
+def test_slow_bodies_hold_no_shared_slot(client, edge_server):
+    """Three requests whose bodies are still on their way, as many as the process's slots: they are counted against
+    their key's share from arrival, but take a shared slot only once their body is in (services/gateway/slots.py), so
+    the next request is served at once. Before, each held a slot from its headers on and the fourth was a 503. (The
+    503 with Retry-After past limits.slot_wait_seconds, the per-key 429 and the fair wait: tests/test_gateway_slots.py.)"""
     port = int(edge_server.rsplit(":", 1)[1])
-    before = metric(scrape(edge_server), "swiftkv_requests_rejected_total", reason="overloaded")
     holders = []
     for _ in range(3):
         s = socket.create_connection(("127.0.0.1", port))
@@ -219,22 +220,11 @@ def test_concurrency_cap_answers_503_with_retry_after(client, edge_server):
                   f"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{".encode())
         holders.append(s)
     time.sleep(0.3)
-    assert metric(scrape(edge_server), "swiftkv_gateway_requests_active") == 3  # /metrics itself is not capped
-    with pytest.raises(openai.InternalServerError) as e:
-        client.chat.completions.create(model=PUBLIC, messages=HI, max_tokens=2)
-    assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
-    assert e.value.body["code"] == "overloaded" and "limits.max_concurrent_requests" in e.value.body["message"]
-    assert metric(scrape(edge_server), "swiftkv_requests_rejected_total", reason="overloaded") == before + 1
+    assert metric(scrape(edge_server), "swiftkv_gateway_requests_active") == 0  # /metrics itself is not capped
+    r = client.chat.completions.create(model=PUBLIC, messages=HI, max_tokens=2)
+    assert r.choices[0].message is not None
     for s in holders:
         s.close()
-    # the slots come back when those requests end; the official client's retry honours Retry-After
-    deadline = time.time() + 20
-    while metric(scrape(edge_server), "swiftkv_gateway_requests_active") != 0:
-        assert time.time() < deadline
-        time.sleep(0.2)
-    r = openai.OpenAI(base_url=f"{edge_server}/v1", api_key=KEY, max_retries=2).chat.completions.create(
-        model=PUBLIC, messages=HI, max_tokens=2)
-    assert r.choices[0].message is not None
 
 
 def test_a_client_that_stops_reading_is_disconnected_and_its_engine_request_aborted(edge, edge_server):

@@ -2,7 +2,7 @@
 
 Counted in instructions (valgrind's callgrind, only the measured requests instrumented) for a fixed mix of chat requests
 through the in-process app: the same count on a loaded machine as on a quiet one, so a slowdown fails here wherever it
-runs. The budget is raised only in a commit that says why, with BENCHMARKS' figures (loadtest/gateway_cost.py --record)."""
+runs. The budget is raised only in a commit that says why, with BENCHMARKS' figures (python -m loadtest.gateway_cost --record)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import shutil
 import sys
 
 import pytest
-from harness.loadtest import ROOT  # noqa: F401  (puts the checkout on sys.path: the load-test tools are its scripts)
 
-from loadtest import gateway_cost  # noqa: E402
+from loadtest import gateway_cost
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="callgrind counts on Linux")
 
@@ -30,7 +29,7 @@ def budget() -> dict:
 
 def test_the_gateway_stays_within_its_instruction_budget(measured):
     assert gateway_cost.check(measured, budget()) == [], (
-        "the gateway's work per request grew past its budget: find the cause (loadtest/gateway_cost.py --profile), "
+        "the gateway's work per request grew past its budget: find the cause (python -m loadtest.gateway_cost --profile), "
         f"or raise the budget in a commit that says why; measured {measured}")
 
 

@@ -204,18 +204,19 @@ async def test_prompt_tokens_are_charged_by_bytes_then_settled_to_the_count(tiny
 
 
 async def test_tokenize_and_detokenize_are_capped_and_rate_limited(tiny_base):
-    gw, backend = gateway(tiny_base, requests_per_minute=2, max_concurrent_requests=1)
+    gw, backend = gateway(tiny_base, requests_per_minute=3, max_concurrent_requests=1, slot_wait_seconds=0.1)
     backend.gate = asyncio.Event()
     async with client(gw) as c:
         held = asyncio.create_task(c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}))
         await asyncio.sleep(0.2)
-        e = error(await c.post("/tokenize", json={"prompt": "hello"}), 503)  # the slot is taken
+        # the slot is taken: a 503 after the wait, charged (its body was read before the shared slot is taken)
+        e = error(await c.post("/tokenize", json={"prompt": "hello"}), 503)
         assert e["code"] == "overloaded"
         backend.gate.set()
         assert (await held).status_code == 200
         r = await c.post("/tokenize", json={"prompt": "hello"})
         assert r.status_code == 200 and r.json()["count"] > 0
-        e = error(await c.post("/detokenize", json={"tokens": [1, 2]}), 429)  # the third request of the minute
+        e = error(await c.post("/detokenize", json={"tokens": [1, 2]}), 429)  # the fourth request of the minute
         assert e["code"] == "rate_limit_exceeded"
 
 
@@ -299,6 +300,27 @@ async def test_redis_reserves_the_output_of_a_request_already_counted():
     with pytest.raises(APIError) as e:
         await limiter.acquire(key, 0, 80, requests=0)
     assert "output tokens" in e.value.message and limiter.down_since is None
+
+
+async def test_a_request_without_max_tokens_is_settled_as_it_streams_in_redis(tiny_base):
+    """As in-process (test_gateway_slots.py), with the limits in Redis: a key of 1000 output tokens a minute, a streamed
+    request without max_tokens (256 expected, reserved) whose answer would run to 5000 tokens takes 256 more at a time
+    as it streams, and ends with finish_reason length once Redis' bucket cannot cover the next (768 tokens: 232 were
+    left); the bucket holds what it did not spend. Before, all 5000 were generated (4000 past the limit)."""
+    import redis
+
+    key = f"sk-{secrets.token_hex(8)}"
+    gw, backend = gateway(tiny_base, FakeBackend(tokens=5000), keys=[key], redis_url=REDIS, output_tokens_per_minute=1000)
+    async with client(gw, key) as c:
+        r = await c.post("/v1/chat/completions", json={"model": "m", "messages": HI, "stream": True,
+                                                        "stream_options": {"include_usage": True}})
+        await asyncio.gather(*gw.dispatch._settling)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    finish = [ch["finish_reason"] for e in events for ch in e["choices"] if ch.get("finish_reason")]
+    assert events[-1]["usage"]["completion_tokens"] == 768 and finish == ["length"]
+    assert backend.aborted == 1 and gw.limiter.down_since is None
+    level = float(redis.Redis.from_url(REDIS).hget(f"{RedisRateLimiter.PREFIX}{digest(key)}:output_tokens", "level"))
+    assert 232 <= level <= 240  # 1000 less the 768 generated (plus the refill meanwhile)
 
 
 async def test_a_silent_redis_holds_no_other_request(tiny_base):

@@ -153,7 +153,12 @@ def test_at_capacity_a_prompt_heavy_request_runs_as_swiftkv_on_a_dual_mode_base_
             assert re.fullmatch(r"pool=base; reason=backlog; ratio=[0-9.]+" + ("; mode=swiftkv" if dual else ""),
                                 r.headers["x-swiftkv-route"]), r.headers["x-swiftkv-route"]
             assert [q.mode for q in backends["base"].requests] == ["swiftkv" if dual else None] and not backends["swiftkv"].requests
-            assert (index.blocks("base+swiftkv") > 0, index.blocks("base") > 0) == (dual, not dual)
+            policy, sent = served.gateway.policy, backends["base"].requests[0].prompt_token_ids
+            chain = policy.blocks(sent)  # the pool's one entry: the SwiftKV model's blocks there, unsalted as the engine's
+            assert index.blocks("base") == len(chain) > 0
+            assert policy.cached_tokens("base", len(sent) + 1, chain, "swiftkv" if dual else None) == len(chain) * index.block_size
+            if dual:  # as the base model there (salted as the engine salts it): cold
+                assert policy.cached_tokens("base", len(sent) + 1, chain, "base") == 0
 
             r = await c.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 100})
             assert r.status_code == 200 and r.headers["x-swiftkv-route"].startswith("pool=base; reason=ratio")
@@ -177,7 +182,7 @@ def test_the_embedded_default_runs_dual_mode_on_a_cpu_where_the_swiftkv_checkpoi
     SwiftKV checkpoint), each pool keeps its one model."""
     import swiftkv_core.hardware as hardware
     from services.config import load_config
-    from services.platform import default_dual_mode
+    from services.serve import default_dual_mode
 
     def default(swiftkv_model, on_cpu: bool = True):
         cfg = load_config(None)
@@ -195,14 +200,12 @@ def test_the_embedded_default_runs_dual_mode_on_a_cpu_where_the_swiftkv_checkpoi
 
 def test_a_dual_mode_pool_starts_dual_mode_engines_and_is_refused_where_it_cannot_work(tiny_base, tmp_path):
     """dual_mode: the pool's engines start with the override beside its own hf_overrides (the pool's engine_args left
-    as written); refused with routing.kv_events, and by `swiftkv serve` for a local model that is not a SwiftKV
-    checkpoint."""
+    as written), with routing.kv_events too (the index hashes base-mode blocks as the engine salts them); refused by
+    `swiftkv serve` for a local model that is not a SwiftKV checkpoint."""
     import json
 
-    import typer
-
     from services.config import PoolConfig
-    from services.platform import _check_models, dual_mode_refusal
+    from services.serve import Refusal, check_models, dual_mode_refusal
     from services.serving.pools import engine_args_with_kv_events
 
     own = {"max_model_len": 512, "hf_overrides": {"rope_theta": 1e6}}
@@ -217,10 +220,9 @@ def test_a_dual_mode_pool_starts_dual_mode_engines_and_is_refused_where_it_canno
     assert engine_args_with_kv_events("swiftkv", cfg.pools["swiftkv"], cfg)["hf_overrides"] == {"swiftkv_dual_mode": True}
     assert "hf_overrides" not in engine_args_with_kv_events("base", cfg.pools["base"], cfg)
 
-    with pytest.raises(ValueError, match=r"pools\.swiftkv\.dual_mode with routing\.kv_events: the gateway's block hashes "
-                                         r"include an API key's cache salt but not the base mode's"):
-        PlatformConfig(model="m", pools={"swiftkv": {"model": "m", "dual_mode": True}}, routing={"kv_events": True})
-    assert not PlatformConfig(model="m", pools={"swiftkv": {"model": "m"}}, routing={"kv_events": True}).pools["swiftkv"].dual_mode
+    events = PlatformConfig(model="m", pools={"swiftkv": {"model": "m", "dual_mode": True}}, routing={"kv_events": True})
+    assert events.pools["swiftkv"].dual_mode and events.routing.kv_events
+    assert engine_args_with_kv_events("swiftkv", events.pools["swiftkv"], events)["hf_overrides"] == {"swiftkv_dual_mode": True}
 
     swiftkv = tmp_path / "swiftkv"
     swiftkv.mkdir()
@@ -237,10 +239,10 @@ def test_a_dual_mode_pool_starts_dual_mode_engines_and_is_refused_where_it_canno
         assert (refusal is not None) == refused, refusal
         if refused:
             assert "pools.swiftkv.dual_mode: " in refusal and "needs a SwiftKV checkpoint" in refusal and "LlamaForCausalLM" in refusal
-            with pytest.raises(typer.Exit):
-                _check_models(cfg)
+            with pytest.raises(Refusal, match="needs a SwiftKV checkpoint"):
+                check_models(cfg)
         else:
-            _check_models(cfg)
+            check_models(cfg)
     assert dual_mode_refusal("base", PoolConfig(model=str(tiny_base))) is None  # not dual-mode
     remote = PoolConfig(model=str(tiny_base), backend="remote", url="http://a:8000", dual_mode=True)
     assert dual_mode_refusal("base", remote) is None  # the server's checkpoint is not ours to read
@@ -487,9 +489,9 @@ def test_a_retry_routes_on_the_expected_output_of_the_first_choice(tiny_base):
     policy = served.gateway.policy
     decide, routed = policy.decide, []
 
-    def recorded(prompt_tokens, expected_output, pools, pinned=None, blocks=(), unspeculated=False):
+    def recorded(prompt_tokens, expected_output, *args, **kwargs):
         routed.append((prompt_tokens, expected_output))
-        return decide(prompt_tokens, expected_output, pools, pinned, blocks, unspeculated)
+        return decide(prompt_tokens, expected_output, *args, **kwargs)
 
     policy.decide = recorded
 

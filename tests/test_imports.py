@@ -3,10 +3,14 @@ function counts as much as one at the top):
 
 - the core library (`swiftkv_core`) knows nothing of the services or the load tests, so it installs and imports
   without FastAPI, Ray or the platform around it;
+- the services know nothing of the load tests, which drive them from above (`swiftkv bench platform` joins the CLI
+  through an entry point, not an import);
 - the gateway, the Batch API and the trainer are siblings over one shared layer (`services.common`, the OpenAI-API
   plumbing, and `services.config`, the platform config): none imports another, and the shared layer imports none
-  of them; only the process that assembles them (`services.platform`, `services.cli`) imports them all;
-- no two project modules import each other, directly or through others, when they are imported."""
+  of them; only the process that assembles them (`services.serve`, `services.cli`) imports them all;
+- no two project modules import each other, directly or through others, when they are imported;
+- no module of the packages edits `sys.path`: they import each other as installed packages (the load-test scripts
+  run as modules, `python -m loadtest.NAME`)."""
 
 from __future__ import annotations
 
@@ -86,6 +90,39 @@ def test_the_core_imports_no_service_and_no_load_test():
     assert not {p: names for p, names in offenders.items() if names}
 
 
+def test_the_services_import_no_load_test():
+    offenders = {str(p.relative_to(ROOT)): sorted(imported_packages(p) & {"loadtest"}) for p in sorted((ROOT / "services").rglob("*.py"))}
+    assert not {p: names for p, names in offenders.items() if names}, "loadtest drives the services from above"
+
+
+def edits_sys_path(path: Path) -> list[int]:
+    """Lines where the file changes `sys.path`: assigns to it (or a slice of it), or calls a method on it (insert,
+    append, extend, remove, ...); `import sys` alone or reading `sys.path` is fine."""
+    def is_sys_path(node) -> bool:
+        while isinstance(node, ast.Subscript):
+            node = node.value
+        return (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                and node.value.id == "sys")
+
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(is_sys_path(t) for t in targets):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_path(node.func.value):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_package_module_edits_sys_path(tmp_path):
+    offenders = sorted(f"{p.relative_to(ROOT)}:{line}" for p in MODULES.values() for line in edits_sys_path(p))
+    assert not offenders, f"import the project's packages as installed (python -m loadtest.NAME), not through sys.path: {offenders}"
+    probe = tmp_path / "probe.py"  # the check finds each way of editing it, and not a read
+    probe.write_text("import sys\nsys.path.insert(0, 'a')\nsys.path[:0] = ['b']\nsys.path += ['c']\nprint(sys.path[0])\n")
+    assert sorted(edits_sys_path(probe)) == [2, 3, 4]
+
+
 def test_gateway_batch_and_training_do_not_import_each_other():
     offenders = {}
     for name in MODULES:
@@ -98,7 +135,7 @@ def test_gateway_batch_and_training_do_not_import_each_other():
 
 
 def test_the_shared_layer_imports_no_service_above_it():
-    above = (*SIBLINGS, "services.serving", "services.platform", "services.cli", "loadtest")
+    above = (*SIBLINGS, "services.serving", "services.serve", "services.cli", "loadtest")
     offenders = {name: sorted(m for m in project_imports(name) if any(within(m, a) for a in above))
                  for name in MODULES if any(within(name, s) for s in SHARED)}
     assert any(within(name, "services.common") for name in MODULES), "services.common is missing"

@@ -17,7 +17,7 @@ from harness.metrics import parse
 from services.common.keys import digest
 from services.common.prefix_index import PrefixIndex, block_hashes
 from services.config import RoutingConfig
-from services.gateway.routing import PoolState, RoutePolicy, cache_key
+from services.gateway.routing import PoolState, RoutePolicy
 from services.serving.backend import BackendDown
 
 BS = 16
@@ -247,41 +247,55 @@ def test_the_backlog_override_counts_what_is_cached():
 
 
 def test_dual_mode_pools_keep_each_models_cached_blocks_apart():
-    """A dual-mode engine never shares a prefix between its two models (vLLM salts the base model's blocks), so the index
-    keys blocks by pool and model: `base` for the base pool's own model, `base+swiftkv` for the SwiftKV model on it.
+    """A dual-mode engine never shares a prefix between its two models: it salts the base model's blocks (swiftkv_core's
+    `cache_salt`), and the index hashes them with the same salt (`PromptBlocks.for_mode`) in the pool's one entry.
     A history the base pool holds as SwiftKV draws the next prompt-heavy turn there as SwiftKV (reason prefix), and
-    counts for nothing as the base model or where the pools are not dual-mode. The engine's capacity bounds both
-    models' entries; a pool going down forgets both."""
+    counts for nothing as the base model; a pool going down forgets both models' blocks."""
     policy = cache_aware()
-    assert (cache_key("base"), cache_key("base", "base"), cache_key("base", "swiftkv")) == ("base", "base", "base+swiftkv")
     history = tokens(2000, 11)
-    policy.index.record(cache_key("base", "swiftkv"), policy.blocks(history))
+    policy.record("base", policy.blocks(history), "swiftkv")
     turn2 = history + tokens(100, 12)
     blocks = policy.blocks(turn2)
+    assert not set(blocks) & set(blocks.for_mode("base"))  # the base model's chain: another from its first block on
     p = pools()
     p["swiftkv"].dual_mode = p["base"].dual_mode = True
     d = policy.decide(len(turn2), 10, p, blocks=blocks)
     assert (d.pool, d.reason, d.mode) == ("base", "prefix", "swiftkv")
     assert policy.cached_tokens("base", len(turn2), blocks, "swiftkv") == 2000 // BS * BS
-    assert policy.cached_tokens("base", len(turn2), blocks) == 0  # as the base model: cold
-    d = policy.decide(len(turn2), 10, pools(), blocks=blocks)  # two models: the SwiftKV blocks are nowhere to be used
-    assert (d.pool, d.reason, d.mode) == ("swiftkv", "ratio", "swiftkv")
+    assert policy.cached_tokens("base", len(turn2), blocks, "base") == 0  # as the base model: cold
 
     # A history answered by the base model on a dual-mode pool keeps the next (prompt-heavy) turn there, as the base
     # model: the prefix override may switch the model, as it does between two single-model pools.
     answered = tokens(1500, 13)
-    policy.index.record("base", policy.blocks(answered))
+    policy.record("base", policy.blocks(answered), "base")
     turn = answered + tokens(100, 14)
     d = policy.decide(len(turn), 10, p, blocks=policy.blocks(turn))
     assert (d.pool, d.reason, d.mode) == ("base", "prefix", "base")
     assert d.header(expose_reason=True).endswith("reason=prefix; ratio=160.00")  # the pool's own model: no mode in the header
+    assert policy.cached_tokens("base", len(turn), tuple(d.blocks), "base") == 0  # plain hashes cannot be salted: none
 
-    policy.adopt_engine_cache("base", BS, BS * 10)
-    policy.index.record(cache_key("base", "swiftkv"), blocks)
-    policy.index.record("base", blocks)
-    assert (policy.index.blocks("base+swiftkv"), policy.index.blocks("base")) == (10, 10)
     policy.forget("base")
-    assert (policy.index.blocks("base+swiftkv"), policy.index.blocks("base")) == (0, 0)
+    assert policy.index.blocks("base") == 0
+    assert policy.cached_tokens("base", len(turn), policy.blocks(turn), "base") == 0
+
+
+def test_a_dual_mode_engines_two_models_share_its_one_kv_capacity():
+    """The engine's one KV cache holds both models' blocks: the index bounds a dual-mode pool's blocks of both models by
+    that one capacity (not each model by all of it), the least recently used block of either model going first. Fill it
+    as SwiftKV, then send the base model a prompt: the SwiftKV prompt's oldest blocks (its tail) are predicted evicted."""
+    policy = cache_aware()
+    policy.adopt_engine_cache("base", BS, BS * 10)  # the engine's KV cache: 10 blocks
+    first, second = tokens(8 * BS + 1, 21), tokens(6 * BS + 1, 22)
+    a, b = policy.blocks(first), policy.blocks(second)
+    policy.record("base", a, "swiftkv")
+    assert policy.cached_tokens("base", len(first), a, "swiftkv") == 8 * BS
+    policy.record("base", b, "base")
+    assert policy.cached_tokens("base", len(second), b, "base") == 6 * BS
+    assert policy.cached_tokens("base", len(first), a, "swiftkv") == 4 * BS  # 4 of its 8 blocks gone for the base model's 6
+    assert policy.index.blocks("base") == 10
+    policy.record("base", a, "swiftkv")  # used again: the base model's blocks are now the least recently used
+    assert policy.cached_tokens("base", len(first), a, "swiftkv") == 8 * BS
+    assert policy.cached_tokens("base", len(second), b, "base") == 2 * BS
 
 
 # ---- through the gateway -----------------------------------------------------------------------------------------
@@ -540,6 +554,73 @@ def test_a_pool_of_several_engines_keeps_a_block_while_any_of_them_holds_it(tmp_
         b.pub.shutdown()
 
 
+def engine_block_hashes(ids: list[int], cache_salt: str | None) -> list[bytes]:
+    """The block hashes a vLLM engine computes for a request of `ids` with this `cache_salt` (its own Request and block
+    hasher, sha256, NONE_HASH from the same seed as the index's)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils as kv
+    from vllm.v1.request import Request
+
+    saved = {name: getattr(kv, name) for name in ("NONE_HASH", "_NONE_HASH_SEED") if hasattr(kv, name)}
+    sha256 = get_hash_fn_by_name("sha256")
+    try:
+        kv.init_none_hash(sha256)
+        request = Request("r", ids, SamplingParams(max_tokens=1), None, cache_salt=cache_salt,
+                          block_hasher=kv.get_request_block_hasher(BS, sha256))
+        return list(request.block_hashes)
+    finally:
+        for name, value in saved.items():
+            setattr(kv, name, value)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_a_dual_mode_engines_base_mode_events_land_under_the_base_model(share, tmp_path):
+    """routing.kv_events with a dual-mode pool: the engine salts its base-mode requests' blocks with the mode's salt (joined
+    to the key's where keys' caches are apart: swiftkv_core.dual_mode.cache_salt) and its events name the salted hashes
+    (computed here by vLLM's own Request block hasher). The index hashes the base model's blocks the same way, so the
+    events, fed to the pool's feed (its batches applied in-process), land under the base model's entries: the prompt is
+    found cached as the base model and not as SwiftKV, and draws the next prompt-heavy turn to the base model there;
+    the SwiftKV mode's events land under its own; an eviction of base-mode blocks leaves the SwiftKV ones."""
+    pytest.importorskip("vllm")
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+
+    from swiftkv_core.dual_mode import cache_salt
+
+    policy = RoutePolicy(RoutingConfig(cache_aware=True, kv_events=True, prefix_block_size=BS,
+                                       prefix_min_distinct_tokens=64), per_key=not share)
+    key = policy.key_salt("team-a")
+    assert (key is None) == share
+    feed = policy.follow_kv_events("base", f"ipc://{tmp_path}/kv-events")  # nothing publishes: batches applied below
+    encode = msgspec.msgpack.Encoder().encode
+
+    def send(*events) -> None:
+        feed.apply(encode(KVEventBatch(ts=0.0, events=list(events))))
+
+    try:
+        history = tokens(2000, 31)
+        turn2 = history + tokens(100, 32)
+        base_blocks, swiftkv_blocks = (engine_block_hashes(history, cache_salt(mode, key)) for mode in ("base", "swiftkv"))
+        prompt = policy.blocks(turn2, key)
+        assert list(prompt.for_mode("base")[:125]) == base_blocks and list(prompt[:125]) == swiftkv_blocks
+        send(stored(base_blocks))
+        assert policy.cached_tokens("base", len(turn2), prompt, "base") == 2000 // BS * BS
+        assert policy.cached_tokens("base", len(turn2), prompt, "swiftkv") == 0
+        p = pools()
+        p["base"].dual_mode = True
+        d = policy.decide(len(turn2), 10, p, blocks=prompt)  # prompt-heavy: swiftkv by ratio; its history is on base
+        assert (d.pool, d.reason, d.mode) == ("base", "prefix", "base")
+        send(stored(swiftkv_blocks))
+        assert policy.cached_tokens("base", len(turn2), prompt, "swiftkv") == 2000 // BS * BS
+        send(removed(base_blocks[60:]))
+        assert policy.cached_tokens("base", len(turn2), prompt, "base") == 60 * BS
+        assert policy.cached_tokens("base", len(turn2), prompt, "swiftkv") == 2000 // BS * BS
+        assert feed.batches == 3
+    finally:
+        feed.stop()
+
+
 def test_the_gateway_follows_each_pools_kv_cache_events(tiny_base, tmp_path):
     """routing.kv_events through the app: the gateway subscribes to each pool's engines' events when it starts. The
     SwiftKV engine evicts the history turn 1 left there: turn 2 goes where the ratio says, not to the evicted cache;
@@ -636,6 +717,22 @@ def test_a_vllm_engine_publishes_the_blocks_the_gateway_hashes(tiny_base, tmp_pa
         time.sleep(0.2)
         assert index.cached_tokens("e", index.hashes(salted, salt="0123456789abcdef")) == 3 * BLOCK
         assert index.cached_tokens("e", index.hashes(salted)) == 0
+        # a dual-mode base-mode request's salt (the mode's joined to the key's, as the backends send it): its events
+        # name the blocks of the index's base-mode chain, not the key's own
+        from services.gateway.routing import PromptBlocks
+        from swiftkv_core.dual_mode import with_cache_salt
+
+        based = prompt(3 * BLOCK + 5, seed=4)
+        n = feed.batches
+        llm.generate([with_cache_salt({"prompt_token_ids": based}, "base", "0123456789abcdef")], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
+        while feed.batches == n:
+            assert time.time() < deadline, "no events for the base-mode prompt"
+            time.sleep(0.05)
+        time.sleep(0.2)
+        blocks = PromptBlocks(index, based, "0123456789abcdef")
+        assert index.cached_tokens("e", blocks.for_mode("base")) == 3 * BLOCK
+        assert index.cached_tokens("e", blocks) == 0
     finally:
         offline_engines.close()
         feed.stop()

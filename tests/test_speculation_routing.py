@@ -144,7 +144,7 @@ def default_layout(tiny_base, tiny_swiftkv, tmp_path_factory):
     from harness.engines import engine_args, every_pool_ready
     from harness.processes import swiftkv_serve
 
-    from services.platform import default_dual_mode, default_speculation
+    from services.serve import default_dual_mode, default_speculation
 
     cfg = load_config(None)
     cfg.pools["swiftkv"].model, cfg.pools["base"].model = str(tiny_swiftkv), str(tiny_base)

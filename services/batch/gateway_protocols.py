@@ -1,4 +1,4 @@
-"""What the Batch API needs of the gateway it is attached to (services.platform attaches it), as protocols: batch work
+"""What the Batch API needs of the gateway it is attached to (services.serve.runtime attaches it), as protocols: batch work
 reaches the gateway only through these, never through its modules. The gateway's `PoolState`, `Decision` and
 `RoutePolicy` (services.gateway.routing) and `Gateway` (services.gateway.pipeline) satisfy them."""
 

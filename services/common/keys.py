@@ -88,6 +88,10 @@ class KeySettings(StrictModel):
                                             "every other sharing key (trusted keys only: a shared cache's timing tells one "
                                             "what another sent); false: its cache is its own. Default: "
                                             "routing.share_prefix_cache (off)")
+    max_concurrent_requests: int | None = Field(None, ge=1, description="generation, /tokenize and /detokenize requests "
+                                                "this key may hold at once in one gateway process, from arrival (reading the "
+                                                "body included) to the last byte; more are a 429. Default: "
+                                                "limits.max_concurrent_requests_per_key")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> "KeySettings":

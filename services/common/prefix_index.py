@@ -12,7 +12,9 @@ publishes its KV-cache events (services/common/kv_events.py), they correct it: b
 index while any of them still holds it.
 
 A request's cache salt (vLLM's `cache_salt`: an API key's, where keys' caches are kept apart) is hashed into its first
-block as vLLM does, so one key's blocks never match another's, here as in the engine.
+block as vLLM does, so one key's blocks never match another's, here as in the engine. A dual-mode engine's base-mode
+requests carry the mode's salt too (swiftkv_core.dual_mode `cache_salt`), hashed alike: one target (a pool) then holds
+both models' blocks apart within one capacity, as the engine's one KV cache does, and its events name them as here.
 
 Blocks are keyed as vLLM's events name them (`block_key`: the hash's last 8 bytes as an integer, vLLM's default
 VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), so an event's hashes and the gateway's own meet.

@@ -26,6 +26,7 @@ from .rate_limits import RateLimiter, RedisRateLimiter
 from .render import ChatRender, CompletionRender, Renderer
 from .routing import Ewma, PoolState, speculation_excluded
 from .schemas import MAX_INT32, ChatCompletionRequest, CompletionRequest, parse
+from .slots import TICKET
 from .tools import ToolCalls, parser_class
 
 # APIError codes -> the `reason` label of swiftkv_requests_rejected (others: invalid_request)
@@ -42,6 +43,7 @@ REJECTION_REASONS = {
     "response_too_large": "bounds",
     "model_not_found": "unknown_model",
     "unavailable": "unavailable",
+    "overloaded": "overloaded",  # a pool's SLO shed it (pools.<name>.slo.max_queue_seconds)
 }
 
 
@@ -142,7 +144,8 @@ class Admission:
                 parser_class(parser)  # an unknown name fails at start, not on the first request with tools
 
     def identify(self, request: Request) -> str:
-        return self.keys.identify(request.headers.get("authorization"))
+        ticket = request.scope.get(TICKET)  # identified on arrival, where the key's requests are counted (slots.py)
+        return ticket[0] if ticket is not None else self.keys.identify(request.headers.get("authorization"))
 
     # ---- the body --------------------------------------------------------------------------------
     async def read_json(self, request: Request) -> object:

@@ -19,12 +19,12 @@ from starlette.responses import JSONResponse, Response
 from services.common.errors import APIError, bad_request, error_response
 from services.common.openapi import document, json_body, ref
 
-from .http_limits import ConcurrencyCap
 from .pipeline import Gateway
 from .render import json_bytes
 from .responses import ResponsesRequest
 from .responses_api import ResponsesAPI
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
+from .slots import KeySlots
 
 __all__ = ["Gateway", "create_app"]
 
@@ -83,7 +83,7 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
     app = FastAPI(title="SwiftKV gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.gateway = gateway
     app.add_middleware(HotRoutes, routes={"/v1/chat/completions": chat, "/v1/completions": completions})  # inside the cap
-    app.add_middleware(ConcurrencyCap, limit=gateway.cfg.limits.max_concurrent_requests,
+    app.add_middleware(KeySlots, slots=gateway.slots,  # per key from arrival; the shared slot is taken by each handler
                        paths=("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize"))
     if worker_header:
         app.add_middleware(WorkerHeader)
@@ -126,6 +126,7 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
     # chart's NetworkPolicy decides who reaches the port. No series carries a key or request content.
     @app.get("/metrics")
     async def prometheus():
+        gateway.capacity.refresh()  # the capacity gauges, computed now rather than on every request
         body = generate_latest(REGISTRY)
         if gateway.extra_metrics is not None:
             body += (await gateway.extra_metrics()).encode()
@@ -141,7 +142,7 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
 
 
     # vLLM's tokenizer routes and version, for tools that probe them (same shapes as vLLM's server). Like the
-    # generation routes: under the concurrency cap, charged to the key's requests and the body's bytes (as prompt
+    # generation routes: counted per key from arrival, a shared slot once the body is in, charged to the key's requests and the body's bytes (as prompt
     # tokens, settled to their count) before the body is decoded; a large body is validated, and all the work
     # done, on the CPU pool.
     @app.post("/tokenize")
@@ -149,6 +150,8 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
         admission = gateway.admission
         identity = admission.identify(request)
         data, size = await admission.read_body(request, identity)  # charged before it is decoded
+        if (refusal := await gateway.slots.take(request)) is not None:  # a shared slot, once the body is in
+            return refusal
 
         def validate() -> TokenizeRequest:
             req = parse(TokenizeRequest, data)
@@ -178,6 +181,8 @@ def create_app(gateway: Gateway, extensions: Sequence = (), worker_header: bool 
         admission = gateway.admission
         identity = admission.identify(request)
         data, size = await admission.read_body(request, identity)  # charged before it is decoded
+        if (refusal := await gateway.slots.take(request)) is not None:  # a shared slot, once the body is in
+            return refusal
 
         def validate() -> DetokenizeRequest:
             req = parse(DetokenizeRequest, data)

@@ -7,17 +7,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from contextlib import aclosing
 from typing import AsyncIterator, Callable, Sequence
 
 from services.common.errors import APIError
-from services.serving.backend import BackendDown, GenerateRequest, Output
+from services.serving.backend import BackendDown, ChoiceDelta, GenerateRequest, Output
+from swiftkv_core.dual_mode import cache_salt
 
 from . import metrics
 from .admission import AdmittedRequest, OutputEstimates
 from .rate_limits import RateLimiter
-from .routing import Decision, NoPoolAvailable, PoolState, RoutePolicy, cache_key, speculation_excluded
+from .routing import Decision, NoPoolAvailable, PoolState, RoutePolicy, engine_blocks, speculation_excluded
 
 log = logging.getLogger("swiftkv.gateway")
 
@@ -33,18 +35,41 @@ class Dispatcher:
         self.retry_after = retry_after
         self._settling: set[asyncio.Task] = set()
 
-    def choose(self, admitted: AdmittedRequest) -> Decision:
+    def choose(self, admitted: AdmittedRequest, shed: bool = False) -> Decision:
         """The pool for an admitted request, on its prompt tokens and expected output (and, with cache-aware routing,
         what each pool holds of its prompt in its prefix cache, of its key's own where keys' caches are apart); a 503
-        when none is ready."""
+        when none is ready. `shed` (live requests): a 429 `overloaded` where the pool's SLO sheds it (`shed`)."""
         admitted.generate.key_salt = self.policy.key_salt(admitted.identity)  # the engines' cache_salt, and the index's
         # hashed once: the retry and the index reuse them
         blocks = self.policy.blocks(admitted.generate.prompt_token_ids, admitted.generate.key_salt)
+        # where the key's requests with this prompt_cache_key went last (chat and Responses requests may carry one)
+        key = getattr(admitted.request, "prompt_cache_key", None)
+        hint = None if key is None else self.policy.cache_key_hint(admitted.identity, key)
         try:
-            return self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, admitted.pinned, blocks,
-                                      speculation_excluded(admitted.generate.sampling) is not None)
+            decision = self.policy.decide(admitted.prompt_tokens, admitted.expected_output, self.pools, admitted.pinned, blocks,
+                                          speculation_excluded(admitted.generate.sampling) is not None, hint)
         except NoPoolAvailable as e:
             raise APIError(503, f"{e}; try again shortly", "server_error", code="unavailable", headers=self.retry_after) from None
+        if shed and (limit := self.pools[decision.pool].slo_max_queue_seconds) is not None:
+            self.shed(admitted, decision, limit)
+        return decision
+
+    def shed(self, admitted: AdmittedRequest, decision: Decision, limit: float) -> None:
+        """The pool's SLO sheds (slo.max_queue_seconds): a 429 `overloaded` now, with Retry-After, when the request's
+        predicted time to first token there (the prompt tokens it should find cached not counted) exceeds `limit`;
+        counted as `shed` in the pool's SLO attainment."""
+        pool = self.pools[decision.pool]
+        mode = decision.mode if pool.dual_mode else None
+        predicted = pool.ttft_seconds(admitted.prompt_tokens - self.policy.cached_tokens(pool.name, admitted.prompt_tokens,
+                                                                                          decision.blocks, mode))
+        if predicted <= limit:
+            return
+        if pool.slo_ttft_seconds is not None:
+            metrics.labelled(metrics.slo_ttft, pool.name, "shed").inc()
+        wait = max(1, math.ceil(predicted - limit))  # about when the queue ahead has drained to the limit
+        raise APIError(429, f"pool {pool.name} is overloaded: this request's predicted time to first token, {predicted:.1f} s, "
+                            f"exceeds its limit of {limit:g} s (pools.{pool.name}.slo.max_queue_seconds); retry after "
+                            f"{wait} s", "server_error", code="overloaded", headers={"Retry-After": str(wait)})
 
     async def stream(self, admitted: AdmittedRequest, decision: Decision, t0: float, source: str = "live") -> AsyncIterator[Output]:
         """The backend's outputs from the decided pool. If that pool goes down (BackendDown) before any token went
@@ -98,6 +123,8 @@ class Dispatcher:
         m.in_flight.inc()
         m.prompt_tokens.inc(prompt_tokens)
         prefill_tokens = prompt_tokens - self.note_prefix(pool, request.mode, prompt_tokens, blocks)
+        if (key := getattr(admitted.request, "prompt_cache_key", None)) is not None:  # where the next one with it may go
+            self.policy.served_cache_key(admitted.identity, key, pool.name, request.mode)
         # set beside the measured TTFT (swiftkv_time_to_first_token_seconds): a wrong cost model shows up there
         metrics.labelled(metrics.predicted_ttft, pool.name).observe(pool.ttft_seconds(prefill_tokens))
         expected_output = admitted.expected_output * max(request.sampling.n, 1)
@@ -110,7 +137,15 @@ class Dispatcher:
         generated = 0
         # the answer's token ids (one choice, a backend that reports them): vLLM caches the blocks they fill too
         answer_ids: list[int] | None = [] if self.policy.index is not None and request.sampling.n == 1 else None
+        finished: set[int] | None = None  # choices that ended, of a request settled as it streams
         status = "error"
+        # A request without max_tokens, of a key with an output-tokens limit, is settled as it streams: past what it has
+        # reserved, each further reservation's worth is taken from the key's bucket before the answer goes on; when the
+        # bucket cannot cover it, the request ends there with finish_reason `length` (its engine request aborted).
+        cap = self.limiter.limits(admitted.identity).get("output_tokens") if admitted.estimate_output and admitted.reserved else None
+        paid = admitted.reserved if cap else None  # output tokens each reservation covers
+        extra = taken = 0  # output tokens covered, and taken from the bucket (at most its capacity at once), as it streamed
+        cut = False
         try:
             async with aclosing(pool.backend.generate(request)) as stream:
                 async for out in stream:
@@ -124,8 +159,24 @@ class Dispatcher:
                         first_at = time.perf_counter()
                         pool.first_token(prefill_tokens, first_at - t0, queue_seconds)
                         m.ttft.observe(first_at - t0)
+                        if live and pool.slo_ttft_seconds is not None:  # the pool's SLO attainment
+                            (m.slo_within if first_at - t0 <= pool.slo_ttft_seconds else m.slo_over).inc()
                     generated += n
                     yield out
+                    if paid is not None:
+                        if finished is None:
+                            finished = set()
+                        finished.update(c.index for c in out.choices if c.finish_reason)
+                        if generated >= paid + extra and len(finished) < max(request.sampling.n, 1):
+                            try:  # one more reservation's worth, or the end
+                                await self.limiter.acquire(admitted.identity, 0, paid, requests=0)
+                                extra += paid
+                                taken += min(paid, cap)
+                            except APIError:
+                                cut = True
+                                break
+            if cut:  # outside the backend's stream: it is closed (the engine request aborted) before the last output goes out
+                yield Output([ChoiceDelta(i, "", 0, "length") for i in range(max(request.sampling.n, 1)) if i not in finished])
             status = "ok"
         except (asyncio.CancelledError, GeneratorExit):
             # No client waits on a batch request: only the batch runner stops one (preempted, cancelled, expired).
@@ -144,6 +195,7 @@ class Dispatcher:
                 pool.live_ended()
             if first_at is None:
                 pool.first_token(prefill_tokens, 0.0)
+            batch = pool.batch()  # sequences per replica as it ended, its own included: its decode rate's bucket
             pool.ended(expected_output)
             m.in_flight.dec()
             m.requests[status].inc()
@@ -151,11 +203,13 @@ class Dispatcher:
             m.e2e.observe(end - t0)
             per_choice = generated / max(request.sampling.n, 1)
             if first_at is not None and per_choice > 1:
-                m.tpot.observe((end - first_at) / (per_choice - 1))
-            if status == "ok" and admitted.estimate_output:
+                tpot = (end - first_at) / (per_choice - 1)
+                m.tpot.observe(tpot)
+                pool.decoded(tpot, batch)
+            if status == "ok" and admitted.estimate_output and not cut:  # a cut answer did not run to its own end
                 self.output_estimate.update(admitted.identity, admitted.request.model, per_choice, request.sampling.max_tokens)
-            if admitted.reserved is not None:  # charge what was generated, beyond the reservation too
-                self.settle_later(admitted.identity, admitted.reserved, generated)
+            if admitted.reserved is not None:  # charge what was generated, beyond the reservation too (less what streaming took)
+                self.settle_later(admitted.identity, admitted.reserved, generated - taken)
 
     def note_prefix(self, pool: PoolState, mode: str | None, prompt_tokens: int, blocks: Sequence[bytes]) -> int:
         """Cache-aware routing: the prompt tokens the pool should find cached for the model `mode` it runs the request as
@@ -167,7 +221,7 @@ class Dispatcher:
             return 0
         cached = self.policy.cached_tokens(pool.name, prompt_tokens, blocks, mode)
         metrics.labelled(metrics.prefix_cached_tokens, pool.name).inc(cached)
-        index.record(cache_key(pool.name, mode), blocks)
+        self.policy.record(pool.name, blocks, mode)
         return cached
 
     def note_answer(self, pool: PoolState, request: GenerateRequest, blocks: Sequence[bytes], answer_ids: Sequence[int]) -> None:
@@ -178,10 +232,11 @@ class Dispatcher:
         if index is None:
             return
         computed = [*request.prompt_token_ids, *answer_ids][:-1]
+        blocks = engine_blocks(blocks, request.mode)  # as the engine keys them (a dual-mode engine's base mode: salted)
         more = index.hashes(computed[len(blocks) * index.block_size:], parent=blocks[-1] if blocks else None,
-                            salt=request.key_salt)  # the salt counts where the chain starts here (no full prompt block)
+                            salt=cache_salt(request.mode, request.key_salt))  # counts where the chain starts here
         if more:
-            index.record(cache_key(pool.name, request.mode), [*blocks, *more])
+            index.record(pool.name, [*blocks, *more])
 
     def settle_later(self, identity: str, reserved: int, generated: int) -> None:
         """Settle an output reservation in a task of its own: it completes even while the request's own task

@@ -6,9 +6,8 @@
   (slow-loris) are a 408 and the connection closes; a client that reads nothing of its response while the
   gateway has more than the transport's high-water mark (64 KiB) queued for `send_timeout_seconds` is
   disconnected, which aborts its engine request like any disconnect.
-- `ConcurrencyCap`: at most `max_concurrent_requests` generation, /tokenize and /detokenize requests at once
-  per gateway process (a stream counts until its last byte); the next is a 503 with Retry-After, never queued
-  in memory.
+
+Request slots (per key from arrival, the process's shared ones once the body is in) are slots.py's.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import logging
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from services.common.errors import error_body, error_response
+from services.common.errors import error_body
 
 from . import metrics
 
@@ -155,30 +154,3 @@ def edge_protocol(limits) -> type[HttpToolsProtocol]:
 
     return EdgeProtocol
 
-
-class ConcurrencyCap:
-    """ASGI middleware: at most `limit` requests at once on `paths`; the next get a 503 with Retry-After."""
-
-    def __init__(self, app, limit: int | None, paths: tuple[str, ...], retry_after: int = 1):
-        self.app = app
-        self.limit = limit
-        self.paths = paths
-        self.retry_after = retry_after
-        self.active = 0
-
-    async def __call__(self, scope, receive, send) -> None:
-        if self.limit is None or scope["type"] != "http" or scope["path"] not in self.paths:
-            return await self.app(scope, receive, send)
-        if self.active >= self.limit:
-            metrics.rejections.labels("overloaded", "live").inc()
-            response = error_response(503, f"this gateway is at its limit of {self.limit} concurrent requests "
-                                           f"(limits.max_concurrent_requests); retry after {self.retry_after} s",
-                                      "server_error", code="overloaded", headers={"Retry-After": str(self.retry_after)})
-            return await response(scope, receive, send)
-        self.active += 1
-        metrics.requests_active.set(self.active)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.active -= 1
-            metrics.requests_active.set(self.active)

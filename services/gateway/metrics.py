@@ -35,7 +35,9 @@ route_decisions = Counter("swiftkv_route_decisions", "Route decisions by pool an
 in_flight = Gauge("swiftkv_requests_in_flight", "Requests being served", ("pool",))
 rejections = Counter("swiftkv_requests_rejected", "Requests refused before reaching a pool, by reason", ("reason", "source"))
 retries = Counter("swiftkv_request_retries", "Requests retried on another pool after theirs failed before the first token", ("from_pool", "to_pool"))
-requests_active = Gauge("swiftkv_gateway_requests_active", "Generation requests this gateway process holds now (streams until their last byte); limits.max_concurrent_requests caps them")
+requests_active = Gauge("swiftkv_gateway_requests_active", "Shared request slots this gateway process holds now: generation, /tokenize and /detokenize requests whose body is in (streams until their last byte); limits.max_concurrent_requests caps them")
+requests_waiting = Gauge("swiftkv_gateway_requests_waiting", "Requests with their body in waiting for a shared slot (all limits.max_concurrent_requests held), at most limits.slot_wait_seconds, in a queue fair across keys")
+slot_wait = Histogram("swiftkv_gateway_slot_wait_seconds", "Time a request waited for a shared slot, by outcome: served, timeout (a 503) or client_gone (the client left while waiting); requests that found a slot free are not counted", ("outcome",), buckets=TTFT_BUCKETS)
 slow_client_disconnects = Counter("swiftkv_slow_client_disconnects", "Connections closed because the client read nothing of its response for limits.send_timeout_seconds")
 rate_limits_shared = Gauge("swiftkv_rate_limits_shared", "1 when per-key rate limits are shared through Redis (redis_url), 0 while Redis is unreachable and this gateway uses its own in-process limits")
 pool_ready = Gauge("swiftkv_pool_ready", "1 when the pool is warmed up and healthy", ("pool",))
@@ -46,6 +48,27 @@ pool_prefill_rate = Gauge("swiftkv_pool_prefill_rate_tokens_per_second", "Measur
 prefix_cached_tokens = Counter("swiftkv_route_prefix_cached_tokens", "Prompt tokens the gateway predicted cached in the prefix cache of the pool it sent them to", ("pool",))
 kv_cache_events = Counter("swiftkv_kv_cache_events_blocks", "Blocks named in the KV-cache events a pool's engines published "
                           "(routing.kv_events): stored, removed; cleared counts whole-cache clears", ("pool", "event"))
+# capacity and the SLO (docs/operations/slo.md): the gauges are computed as /metrics is read (services/gateway/capacity.py),
+# never on the request path
+slo_ttft = Counter("swiftkv_slo_ttft_requests", "Live requests of a pool with an SLO (pools.<name>.slo.ttft_seconds) by outcome: "
+                   "within (first token within the SLO), over (after it), shed (refused with a 429 `overloaded` as their "
+                   "predicted time to first token exceeded slo.max_queue_seconds); the error budget is 1 - slo.objective of them",
+                   ("pool", "outcome"))
+pool_slo_ttft = Gauge("swiftkv_pool_slo_ttft_seconds", "The pool's TTFT SLO, pools.<name>.slo.ttft_seconds (pools with one)", ("pool",))
+pool_slo_objective = Gauge("swiftkv_pool_slo_objective", "Share of the pool's live requests that should get their first token "
+                           "within its TTFT SLO, pools.<name>.slo.objective (pools with a TTFT SLO): 1 - it is the error budget",
+                           ("pool",))
+pool_predicted_ttft = Gauge("swiftkv_pool_predicted_ttft_seconds", "Time to first token the gateway predicts for a request arriving "
+                            "now with the pool's mean uncached prompt: the prefills in line spread over its replicas and its own at "
+                            "the measured prefill rate, and a replica's decode step in progress", ("pool",))
+pool_replicas = Gauge("swiftkv_pool_replicas", "Engines serving the pool now: in-process pools their engine, remote pools their "
+                      "reachable servers, Ray pools their running replicas", ("pool",))
+pool_desired_replicas = Gauge("swiftkv_pool_desired_replicas", "Replicas the pool's SLO needs at the current arrival rate and mix "
+                              "of prompt and output tokens, at the measured prefill and decode rates, before clamping to the "
+                              "pool's replicas.min and replicas.max (docs/operations/slo.md)", ("pool",))
+pool_decode_rate = Gauge("swiftkv_pool_decode_rate_tokens_per_second", "Measured decode rate of one replica at the pool's batch size "
+                         "now: sequences per replica over the time per output token measured in that batch-size bucket (the "
+                         "prior, routing.decode_token_cost, until measured)", ("pool",))
 predicted_ttft = Histogram("swiftkv_route_predicted_ttft_seconds", "Time to first token the gateway predicted for the pool it sent the request to (the prefills in line there and the request's uncached prompt, over the pool's measured prefill rate)", ("pool",), buckets=TTFT_BUCKETS)
 
 
@@ -62,6 +85,8 @@ class PoolMetrics:
         self.in_flight = in_flight.labels(pool)
         self.overhead = overhead.labels(pool)
         self.requests = {s: requests.labels(pool, model, source, s) for s in ("ok", "error", "client_disconnect", "aborted")}
+        self.slo_within = slo_ttft.labels(pool, "within")
+        self.slo_over = slo_ttft.labels(pool, "over")
 
 
 _pool_metrics: dict[tuple[str, str, str, str], PoolMetrics] = {}

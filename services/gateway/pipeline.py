@@ -28,12 +28,14 @@ from services.serving.backend import Backend, BackendError, BadRequest, Output
 
 from . import metrics
 from .admission import Admission, AdmittedRequest, count_rejection
+from .capacity import Capacity
 from .dispatch import Dispatcher, calling_on_first_token
 from .pool_lifecycle import PoolLifecycle
 from .prompts import Prompter
 from .render import collect, failure, json_bytes, small_answer, sse_body
 from .routing import Decision, RoutePolicy
 from .schemas import ChatCompletionRequest, CompletionRequest, check_tree
+from .slots import Slots
 
 log = logging.getLogger("swiftkv.gateway")
 
@@ -60,8 +62,11 @@ class Gateway:
         self.lifecycle = PoolLifecycle(cfg, backends, on_ready, on_down=self.policy.forget,
                                        on_cache=self.policy.adopt_engine_cache)
         self.pools = self.lifecycle.pools
+        self.capacity = Capacity(self.pools)  # the pools' SLO and capacity gauges, computed as /metrics is read
         self.admission = Admission(cfg, self.pools, prompter, keys, self.off_loop)
         self.limiter = self.admission.limiter
+        # per key from arrival, and the process's shared slots once a body is in (the app's KeySlots middleware counts)
+        self.slots = Slots(cfg.limits, keys)
         self.kv_feeds: list = []  # the engines' KV-cache events, followed once started (routing.kv_events)
         self.responses = None  # the Responses API (responses_api.ResponsesAPI), set by create_app: serves kind "responses"
         self.dispatch = Dispatcher(self.pools, self.policy, self.limiter, self.admission.output_estimate,
@@ -89,11 +94,11 @@ class Gateway:
         return await asyncio.get_running_loop().run_in_executor(self.cpu, functools.partial(fn, *args))
 
     async def admit_and_route(self, data: object, kind: str, identity: str, size: int = 0,
-                              charge: bool = True, charged: bool = False) -> tuple[AdmittedRequest, Decision]:
-        """Everything before the backend is called; raises APIError for any refusal."""
+                              charge: bool = True, charged: bool = False, live: bool = False) -> tuple[AdmittedRequest, Decision]:
+        """Everything before the backend is called; raises APIError for any refusal (`live`: a pool's SLO may shed it)."""
         admitted = await self.admission.admit(data, kind, identity, size, charge, charged)
         try:
-            return admitted, self.dispatch.choose(admitted)
+            return admitted, self.dispatch.choose(admitted, shed=live)
         except APIError:
             await self.admission.release(admitted)
             raise
@@ -104,7 +109,9 @@ class Gateway:
         try:
             identity = self.admission.identify(request)
             data, size = await self.admission.read_body(request, identity)  # charged before it is decoded
-            admitted, decision = await self.admit_and_route(data, kind, identity, size, charged=True)
+            if (refusal := await self.slots.take(request)) is not None:  # a shared slot, once the body is in and charged
+                return refusal
+            admitted, decision = await self.admit_and_route(data, kind, identity, size, charged=True, live=True)
         except APIError as e:
             count_rejection(e, "live")
             return e.response()

@@ -19,6 +19,12 @@ from .routing import PoolState
 log = logging.getLogger("swiftkv.gateway")
 
 
+def count_replicas(pool: PoolState) -> None:
+    """The engines serving the pool now, as its backend counts them (`replica_count`; one where it cannot say)."""
+    count = getattr(pool.backend, "replica_count", None)
+    pool.replicas = 1 if count is None else count()
+
+
 class PoolLifecycle:
     """The pools' states (`pools`, shared with routing and dispatch) and what keeps them current."""
 
@@ -40,9 +46,17 @@ class PoolLifecycle:
         self._tasks: list[asyncio.Task] = []
         self.started = False  # the first start of every pool has been tried
         self._announced = False
-        for name in self.pools:
+        for name, pool in self.pools.items():
             metrics.pool_ready.labels(name).set(0)
             metrics.in_flight.labels(name).set(0)
+            slo = pool.slo = cfg.pools[name].slo
+            pool.slo_ttft_seconds, pool.slo_max_queue_seconds = slo.ttft_seconds, slo.max_queue_seconds
+            pool.decode_token_cost = cfg.routing.decode_token_cost  # the prior, until the pool's decode is measured
+            if slo.ttft_seconds is not None:  # every outcome's series from the start: the burn rate's ratio has data at 0
+                for outcome in ("within", "over", "shed"):
+                    metrics.slo_ttft.labels(name, outcome)
+                metrics.pool_slo_ttft.labels(name).set(slo.ttft_seconds)
+                metrics.pool_slo_objective.labels(name).set(slo.objective)
 
     async def start(self) -> None:
         """Start the pools, then watch each one's health: together where no start competes with another's (engines
@@ -68,6 +82,7 @@ class PoolLifecycle:
             cache = pool.backend.prefix_cache()
             if cache is not None and self.on_cache is not None:
                 self.on_cache(pool.name, *cache)
+            count_replicas(pool)
             self.set_ready(pool, True)
         except BackendDown as e:  # not up yet (e.g. a Ray Serve application still deploying): the watcher retries
             log.warning("%s; the pool joins routing once its health check passes", e)
@@ -101,6 +116,7 @@ class PoolLifecycle:
                     healthy = await pool.backend.health()
             except Exception:  # a hung or failing health check means the pool is down, not the gateway
                 healthy = False
+            count_replicas(pool)
             self.set_ready(pool, healthy)
             if healthy:
                 delay = h.period_seconds

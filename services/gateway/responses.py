@@ -131,9 +131,10 @@ class ResponsesRequest(Strict):
     stream_options: StreamOptions | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     include: list[Literal["message.output_text.logprobs"]] | None = None
-    prompt_cache_key: str | None = Field(None, max_length=64)  # accepted: routing already follows the prompt's prefix
+    prompt_cache_key: str | None = Field(None, max_length=64)  # passed to the chat request: a hint to cache-aware routing
     truncation: Literal["auto", "disabled"] | None = None
     service_tier: Literal["auto", "default"] | None = None
+    ignore_eos: bool = False  # vLLM's extension (its Responses API has it too): generate max_output_tokens in full
 
     @model_validator(mode="after")
     def _combinations(self):
@@ -279,7 +280,7 @@ def chat_body(req: ResponsesRequest, history: list[dict], items: list[dict]) -> 
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else []) + chat_messages(history + items)
     body: dict[str, Any] = {"model": req.model, "messages": messages}
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                         ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user")):
+                         ("parallel_tool_calls", "parallel_tool_calls"), ("user", "user"), ("prompt_cache_key", "prompt_cache_key")):
         if getattr(req, ours) is not None:
             body[theirs] = getattr(req, ours)
     if req.tools:
@@ -297,6 +298,8 @@ def chat_body(req: ResponsesRequest, history: list[dict], items: list[dict]) -> 
     if req.logprobs():
         body["logprobs"] = True
         body["top_logprobs"] = req.top_logprobs or 0
+    if req.ignore_eos:
+        body["ignore_eos"] = True
     if req.stream:
         body["stream"] = True
     return body

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, Request
 from sqlalchemy.exc import OperationalError
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from services.common.errors import APIError, bad_request, not_found
 from services.common.files import QuotaExceeded
@@ -32,7 +32,7 @@ from services.serving.backend import BackendError, BadRequest
 
 from . import metrics
 from .admission import count_rejection
-from .pipeline import ClientGone, Gateway, first_outputs, until_disconnect
+from .pipeline import ClientGone, EventStream, Gateway, first_outputs, until_disconnect
 from .render import collect, failure, json_bytes
 from .responses import ResponsesRequest, chat_body, from_chat, parse_request, renamed, renamed_body, stored_items
 from .responses_store import ResponseStore, record_of
@@ -203,9 +203,11 @@ class ResponsesAPI:
         try:
             identity = gw.admission.identify(request)
             data, size = await gw.admission.read_body(request, identity)  # charged before it is decoded
+            if (refusal := await gw.slots.take(request)) is not None:  # a shared slot, once the body is in (slots.py)
+                return refusal
             req = await gw.admission.by_size(size, parse_request, data, self.cfg.limits)  # read_body walked it (check_tree)
             turn, (admitted, decision) = await self.turn_that_fits(
-                req, identity, lambda t: gw.admit_and_route(t.chat, "chat", identity, size, charged=True))
+                req, identity, lambda t: gw.admit_and_route(t.chat, "chat", identity, size, charged=True, live=True))
         except APIError as e:
             count_rejection(e, "live")
             return e.response()
@@ -226,7 +228,7 @@ class ResponsesAPI:
                 return JSONResponse(renamed_body(body), status_code=status, headers=headers)
             save = (lambda response: self.save(response, turn, identity)) if req.store else None
             events = ResponseEvents(resp_id, req, created, admitted.render, admitted.prompt_tokens, save)
-            return StreamingResponse(events.body(stream, first), media_type="text/event-stream", headers=headers)
+            return EventStream(events.body(stream, first), headers)  # one watcher task, no anyio task group
         try:
             status, body = await until_disconnect(request, collect(stream, admitted.render, admitted.prompt_tokens, gw.off_loop,
                                                                    admitted.structured_param))

@@ -5,7 +5,8 @@ model, whose prefill is cheaper), the others to `base` (the base model): that is
 override it:
 
 - Load (`routing.balance`): each pool's predicted work is what its requests in flight still need (prompt tokens not
-  yet prefilled and not found cached, plus `decode_token_cost` per expected output token not yet ended) and this
+  yet prefilled and not found cached, plus per expected output token not yet ended its decode cost: measured at the
+  pool's batch size, `PoolState.decode_cost`, and `decode_token_cost` until measured), spread over its replicas, and this
   request's own. When the intended pool's exceeds the other's by more than `balance_margin_tokens`, the other serves:
   at capacity both engines stay busy (the intent alone left the base engine idle while the SwiftKV engine's queue
   grew), and at low load the intent stands. A faster pool drains its work sooner and so takes more. The pools are
@@ -24,8 +25,11 @@ and serve both models per request, swiftkv_core/dual_mode.py), it runs there as 
 changed, and prompt-heavy traffic at capacity runs as SwiftKV on both pools. As both engines then run the same model
 for it, the less loaded one serves it (no `balance_margin_tokens`). Moved to a pool that is not, it runs as
 that pool's model. The prefix override may also switch the model on a dual-mode pool, to where the prompt is cached
-(a conversation's history answered by the base model keeps its next turn there). The two models' prefix-cache blocks are never shared, so the index keys a pool's blocks by the
-model too (`cache_key`: the pool's name for its own model, `base+swiftkv` for the SwiftKV model on the base pool).
+(a conversation's history answered by the base model keeps its next turn there). The two models' prefix-cache blocks are
+never shared: a dual-mode engine salts its base-mode requests' blocks (swiftkv_core.dual_mode `cache_salt`), and the index
+hashes them as the engine does (`PromptBlocks.for_mode`), so one pool's blocks of both models live in one LRU bounded by
+the engine's one KV cache (the least recently used block of either model goes first), and the engine's KV-cache events
+(`routing.kv_events`) name them as the index does.
 
 With API keys, each key's prefix cache is its own unless `routing.share_prefix_cache`: its requests carry vLLM's
 `cache_salt` (`key_salt`, a digest of the key) and the index hashes their blocks with it, so a prompt another key sent
@@ -41,6 +45,10 @@ the pool's own):
   pinned     the client asked for a pool's own model name
   single     only one pool is configured
   batch_steered  a Batch API line moved off a pool busy with live traffic (`RoutePolicy.steer_batch`)
+  cache_key  the prefix index predicts nothing cached for the prompt, and the request's prompt_cache_key was last served
+             (for the same API key) by another pool (or model) than the ratio's, whose work is within
+             `balance_margin_tokens` of it: requests sharing a prompt_cache_key are likely to share a prefix
+             (OpenAI's meaning), so they go together (`RoutePolicy.served_cache_key`)
   no_speculation  the request samples with logit_bias or min_p, which vLLM refuses under speculative decoding: it goes
              to the pool whose engines do not speculate (as the intended model where that pool is dual-mode), with no
              load or prefix override (docs/concepts/speculation.md)
@@ -52,6 +60,7 @@ import dataclasses
 import hashlib
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -59,6 +68,7 @@ from services.common.kv_events import KVEventFeed
 from services.common.prefix_index import PrefixIndex, ServerBlocks
 from services.config import DEFAULT_BLOCK_SIZE, DEFAULT_PREFIX_CACHE_TOKENS, POOL_NAMES, RoutingConfig
 from services.serving.backend import Backend
+from swiftkv_core.dual_mode import cache_salt
 
 from . import metrics
 
@@ -91,9 +101,27 @@ class Ewma:
         self.value += self.alpha * (x - self.value)
 
 
+DECODE_BUCKETS = 8  # batch sizes per replica 1, 2-3, 4-7, ..., 128 and more: one decode rate each
+
+
+def batch_bucket(batch: float) -> int:
+    """The decode-rate bucket of a batch of `batch` sequences per replica: log2, 0 for one (or fewer)."""
+    return min(max(int(batch), 1).bit_length() - 1, DECODE_BUCKETS - 1)
+
+
+_BUCKET = [batch_bucket(b) for b in range(2 ** DECODE_BUCKETS)]  # looked up on the request path: no call
+
+
 @dataclass
 class PoolState:
-    """What the gateway knows about a pool, measured on its own traffic."""
+    """What the gateway knows about a pool, measured on its own traffic.
+
+    The prediction (docs/operations/slo.md): a request's time to first token is the prefills in line before it, spread
+    over the pool's replicas, and its own prefill, at the measured prefill rate, plus one decode step of the batch
+    running on a replica (the step in progress when it arrives, which its prefill joins after): the step's time is
+    measured per batch-size bucket (`decode_rate`, from each request's time per output token at the pool's concurrency),
+    else `decode_token_cost` prompt tokens' prefill per sequence of the batch (the prior). The same measured decode rate
+    prices an output token in prompt tokens' prefill work for routing (`decode_cost`)."""
 
     name: str
     backend: Backend
@@ -107,6 +135,20 @@ class PoolState:
     # prompt tokens prefilled per second of an engine's prefill (time to first token less its queue wait, where the
     # backend reports that), measured on this pool's own traffic: the TTFT it predicts goes to the metrics
     prefill_rate: Ewma = field(default_factory=lambda: Ewma(5000.0))
+    replicas: int = 1  # engines serving the pool now (backend.replica_count(), refreshed by the health watcher)
+    running: int = 0  # requests dispatched here that have not ended (live and batch)
+    # per batch-size bucket (sequences per replica, `batch_bucket`): decode tokens per second of one sequence (1 / its
+    # time per output token), measured on requests that ended; None until one was
+    decode_rate: list = field(default_factory=lambda: [None] * DECODE_BUCKETS)
+    decode_token_cost: float = 4.0  # the prior: routing.decode_token_cost, until the batch's bucket is measured
+    slo: object = None  # the pool config's SLOConfig (None: none), and its two figures read per request:
+    slo_ttft_seconds: float | None = None  # live requests counted within or over it (swiftkv_slo_ttft_requests)
+    slo_max_queue_seconds: float | None = None  # a live request predicted to wait longer is shed (a 429 `overloaded`)
+    # the arrivals since the capacity gauges were last read (services/gateway/capacity.py): requests, uncached prompt
+    # tokens, expected output tokens
+    arrivals: int = 0
+    arrived_prefill: int = 0
+    arrived_output: int = 0
     live_in_flight: int = 0  # live requests from dispatch to the end of their response
     live_ended_at: float = -math.inf  # time.monotonic() when the last of them ended
     live_elsewhere_at: float = -math.inf  # when another gateway process last reported live traffic here
@@ -135,24 +177,68 @@ class PoolState:
         (here or in another gateway process)."""
         return self.live_in_flight > 0 or time.monotonic() - max(self.live_ended_at, self.live_elsewhere_at) < quiet_seconds
 
+    def batch(self) -> float:
+        """Sequences decoding on one replica now: the requests in flight spread over the replicas."""
+        return self.running / max(self.replicas, 1)
+
+    def decode_step_seconds(self, batch: float | None = None) -> float:
+        """Time of one decode step of `batch` sequences per replica (default: now): measured in the batch's bucket, else
+        the prior (`decode_token_cost` prompt tokens' prefill per sequence at the measured prefill rate). 0: none run."""
+        if batch is None:
+            batch = self.running / (self.replicas if self.replicas > 1 else 1)
+        if batch <= 0:
+            return 0.0
+        rate = self.decode_rate[_BUCKET[int(batch)] if batch < 2 ** DECODE_BUCKETS else DECODE_BUCKETS - 1]
+        return 1.0 / rate if rate else self.decode_token_cost * batch / self.prefill_rate.value
+
+    def decode_cost(self, prior: float) -> float:
+        """The work of one output token in prompt tokens' prefill work at the pool's batch now: a step of the batch
+        produces one token per sequence in `decode_step_seconds`, time in which the pool prefills that many prompt
+        tokens; `prior` (routing.decode_token_cost) until that bucket is measured."""
+        batch = self.running / (self.replicas if self.replicas > 1 else 1)
+        if batch < 1:
+            batch = 1.0
+        rate = self.decode_rate[_BUCKET[int(batch)] if batch < 2 ** DECODE_BUCKETS else DECODE_BUCKETS - 1]
+        return self.prefill_rate.value / (rate * batch) if rate else prior
+
     def ttft_seconds(self, prefill_tokens: int) -> float:
         """Predicted time to first token of a request with `prefill_tokens` not cached here: the prefills in line
-        before it and its own, at the pool's measured prefill rate."""
-        return (self.backlog_tokens + prefill_tokens) / self.prefill_rate.value
+        before it spread over the pool's replicas and its own, at the pool's measured prefill rate, and the decode step
+        of a replica's batch in progress."""
+        backlog = self.backlog_tokens / self.replicas if self.replicas > 1 else self.backlog_tokens
+        return (backlog + prefill_tokens) / self.prefill_rate.value + (self.decode_step_seconds() if self.running else 0.0)
 
     def dispatched(self, prefill_tokens: int, output_tokens: int = 0) -> None:
         """A request went out with `prefill_tokens` of its prompt not cached here and `output_tokens` expected."""
         self.backlog_tokens += prefill_tokens
         self.decode_tokens += output_tokens
+        self.running += 1
+        self.arrivals += 1
+        self.arrived_prefill += prefill_tokens
+        self.arrived_output += output_tokens
         metrics.labelled(metrics.pool_backlog, self.name).set(self.backlog_tokens)
 
     def ended(self, output_tokens: int) -> None:
         """A request dispatched with `output_tokens` expected has ended (answered, failed or aborted)."""
         self.decode_tokens -= output_tokens
+        self.running -= 1
+
+    def decoded(self, tpot: float, batch: float) -> None:
+        """A request's mean time per output token after its first was `tpot`, with `batch` sequences per replica running
+        (its own included) as it ended: the decode rate of that batch's bucket."""
+        if tpot > 0:
+            bucket = batch_bucket(batch)
+            rate = self.decode_rate[bucket]
+            if rate is None:
+                self.decode_rate[bucket] = 1.0 / tpot
+            else:
+                self.decode_rate[bucket] = rate + 0.2 * (1.0 / tpot - rate)
 
     def work(self, decode_token_cost: float) -> float:
-        """What the requests in flight here still need, in prompt tokens' prefill work."""
-        return self.backlog_tokens + decode_token_cost * self.decode_tokens
+        """What the requests in flight here still need, in prompt tokens' prefill work (an output token's: measured,
+        `decode_cost`, else `decode_token_cost`), spread over the pool's replicas."""
+        work = self.backlog_tokens + self.decode_cost(decode_token_cost) * self.decode_tokens if self.decode_tokens else self.backlog_tokens
+        return work / self.replicas if self.replicas > 1 else work
 
     def first_token(self, prefill_tokens: int, ttft: float, queue_seconds: float | None = None) -> None:
         """The first token of a request dispatched with `prefill_tokens` came back `ttft` seconds after it was sent
@@ -165,9 +251,33 @@ class PoolState:
             metrics.pool_prefill_rate.labels(self.name).set(self.prefill_rate.value)
 
 
-def cache_key(pool: str, mode: str | None = None) -> str:
-    """The prefix-cache index's target for `pool`'s blocks of the model `mode`: the pool's name for its own model."""
-    return pool if mode in (None, pool) else f"{pool}+{mode}"
+class PromptBlocks(tuple):
+    """A prompt's block hashes (`RoutePolicy.blocks`), salted with its key's salt as the engines' prefix caches key a
+    request's blocks (single-mode engines, and a dual-mode engine's SwiftKV mode). A dual-mode engine salts its base-mode
+    requests' blocks with the mode too (swiftkv_core.dual_mode `cache_salt`), so their chain differs from the first block
+    on: `for_mode` hashes it, once per prompt and only where asked (a dual-mode pool's base model)."""
+
+    def __new__(cls, index: PrefixIndex, token_ids: Sequence[int], key_salt: str | None = None):
+        self = super().__new__(cls, index.hashes(token_ids, salt=key_salt))
+        self._index, self._token_ids, self.key_salt, self._base = index, token_ids, key_salt, None
+        return self
+
+    def for_mode(self, mode: str | None) -> tuple[bytes, ...]:
+        """The chain as an engine keys it for a request it runs in `mode` (a dual-mode engine's; None: a single-mode
+        engine's request, these blocks)."""
+        if mode != BASE:  # cache_salt(mode, key_salt) is the key's own salt
+            return self
+        if self._base is None:
+            self._base = tuple(self._index.hashes(self._token_ids, salt=cache_salt(BASE, self.key_salt)))
+        return self._base
+
+
+def engine_blocks(blocks: Sequence[bytes], mode: str | None) -> Sequence[bytes]:
+    """`blocks` as the engine keys them for a request it runs in `mode` (the mode sent to a dual-mode engine; None: a
+    single-mode engine's). Plain hashes (not `PromptBlocks`) of a salted mode cannot be re-hashed: none."""
+    if mode != BASE:
+        return blocks
+    return blocks.for_mode(mode) if isinstance(blocks, PromptBlocks) else ()
 
 
 @dataclass(frozen=True)
@@ -207,6 +317,27 @@ class RoutePolicy:
         self.index = index
         self._capacities: dict[str, int] = {}  # tokens, as the pools' engines reported them
         self._servers: dict[str, ServerBlocks] = {}  # per pool, which of its engines hold each block (KV-cache events)
+        # (API key, prompt_cache_key) -> the (pool, model) that last served it, least recently served forgotten first
+        self._cache_keys: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()
+
+    CACHE_KEY_ENTRIES = 65_536  # (API key, prompt_cache_key) pairs remembered: a few MiB at most
+
+    def cache_key_hint(self, identity: str, prompt_cache_key: str | None) -> tuple[str, str] | None:
+        """The (pool, model) that last served a request of this API key with this prompt_cache_key (cache-aware routing;
+        another key's never counts: the pairs are the key's own)."""
+        if prompt_cache_key is None or self.index is None:
+            return None
+        return self._cache_keys.get((identity, prompt_cache_key))
+
+    def served_cache_key(self, identity: str, prompt_cache_key: str | None, pool: str, mode: str | None) -> None:
+        """A request of this key with this prompt_cache_key went to `pool`, run as the model `mode` (None: its own)."""
+        if prompt_cache_key is None or self.index is None:
+            return
+        entry = (identity, prompt_cache_key)
+        self._cache_keys[entry] = (pool, mode or pool)
+        self._cache_keys.move_to_end(entry)
+        if len(self._cache_keys) > self.CACHE_KEY_ENTRIES:
+            self._cache_keys.popitem(last=False)
 
     def adopt_engine_cache(self, pool: str, block_size: int, capacity_tokens: int) -> None:
         """A pool's engine reported its prefix cache's block size and capacity: the index follows them unless the
@@ -217,9 +348,8 @@ class RoutePolicy:
             self.index = PrefixIndex(self.index.capacity_blocks * self.index.block_size // block_size, block_size)
         if self.cfg.prefix_cache_tokens is None:
             self._capacities[pool] = capacity_tokens
-        for name, tokens in self._capacities.items():
-            for mode in POOL_NAMES:  # a dual-mode engine's blocks of either model share its cache
-                self.index.set_capacity(cache_key(name, mode), tokens // self.index.block_size)
+        for name, tokens in self._capacities.items():  # a dual-mode engine's blocks of both models share its one cache
+            self.index.set_capacity(name, tokens // self.index.block_size)
 
     def key_salt(self, identity: str) -> str | None:
         """The prefix-cache salt of a key's requests (per_key, else None): a digest of its identity, never the key, nor
@@ -228,15 +358,20 @@ class RoutePolicy:
         return hashlib.sha256(f"swiftkv-cache-salt:{identity}".encode()).hexdigest()[:16] if own else None
 
     def blocks(self, prompt_token_ids: Sequence[int], salt: str | None = None) -> tuple[bytes, ...]:
-        """The prompt's block hashes, salted with its key's `salt`, when routing is cache-aware (else none: nothing to
-        hash)."""
-        return () if self.index is None else tuple(self.index.hashes(prompt_token_ids, salt=salt))
+        """The prompt's block hashes (`PromptBlocks`), salted with its key's `salt`, when routing is cache-aware (else
+        none: nothing to hash)."""
+        return () if self.index is None else PromptBlocks(self.index, prompt_token_ids, salt)
+
+    def record(self, pool: str, blocks: Sequence[bytes], mode: str | None = None) -> None:
+        """`pool` was sent a prompt of these blocks to run in `mode` (a dual-mode engine's; None: a single-mode
+        engine's): they become the most recently used of the pool's one cache, as the engine keys them."""
+        if self.index is not None:
+            self.index.record(pool, engine_blocks(blocks, mode))
 
     def forget(self, pool: str) -> None:
         """The pool went down: whatever it held in its prefix cache is gone."""
         if self.index is not None:
-            for mode in POOL_NAMES:
-                self.index.forget(cache_key(pool, mode))
+            self.index.forget(pool)
         if pool in self._servers:
             self._servers[pool].forget()
 
@@ -272,21 +407,22 @@ class RoutePolicy:
         return feed
 
     def cached_tokens(self, pool: str, prompt_tokens: int, blocks: Sequence[bytes], mode: str | None = None) -> int:
-        """Prompt tokens `pool` should find in its prefix cache for the model `mode` (None: its own); never the last one
-        (vLLM computes at least one)."""
+        """Prompt tokens `pool` should find in its prefix cache for a request it runs in `mode` (a dual-mode engine's;
+        None: a single-mode engine's); never the last one (vLLM computes at least one)."""
         if self.index is None or not blocks:
             return 0
         bs = self.index.block_size
-        return min(self.index.cached_tokens(cache_key(pool, mode), blocks), (prompt_tokens - 1) // bs * bs)
+        return min(self.index.cached_tokens(pool, engine_blocks(blocks, mode)), (prompt_tokens - 1) // bs * bs)
 
     def decide(self, prompt_tokens: int, expected_output: int, pools: dict[str, PoolState], pinned: str | None = None,
-               blocks: Sequence[bytes] = (), unspeculated: bool = False) -> Decision:
+               blocks: Sequence[bytes] = (), unspeculated: bool = False, hint: tuple[str, str] | None = None) -> Decision:
         """The pool for a request of `prompt_tokens` expecting `expected_output` tokens; `blocks` (cache-aware
         routing: `blocks(prompt_token_ids)`) lets the pools' prefix caches count. `unspeculated`: the request needs an
         engine without speculative decoding (`speculation_excluded`); admission refused it where no pool it may go to
-        has one."""
+        has one. `hint` (`cache_key_hint`): the (pool, model) that last served the request's prompt_cache_key, preferred
+        where nothing of the prompt is predicted cached and its work is within the balance margin of the ratio's pool."""
         ratio = prompt_tokens / max(expected_output, 1)
-        blocks = tuple(blocks)
+        blocks = blocks if isinstance(blocks, tuple) else tuple(blocks)  # PromptBlocks kept: a dual-mode pool's base chain
         if pinned is not None:
             if not pools[pinned].ready:
                 raise NoPoolAvailable(f"pool {pinned} is not available")
@@ -319,7 +455,8 @@ class RoutePolicy:
 
             def cached(pool: str, mode: str) -> int:  # looked up once per pool and model
                 if (pool, mode) not in counted:
-                    counted[pool, mode] = max(0, self.cached_tokens(pool, prompt_tokens, blocks, mode) - floor)
+                    sent_as = mode if pools[pool].dual_mode else None  # the mode its engine is told (Dispatcher.as_routed)
+                    counted[pool, mode] = max(0, self.cached_tokens(pool, prompt_tokens, blocks, sent_as) - floor)
                 return counted[pool, mode]
 
             def work(pool: str, mode: str) -> float:
@@ -334,6 +471,11 @@ class RoutePolicy:
             best = max(sorted(elsewhere - {(chosen, chosen)}), key=lambda pm: cached(*pm))
             if cached(*best) > mine_cached and work(*best) < mine:
                 return Decision(best[0], "prefix", ratio, blocks, best[1])
+            # Nothing predicted cached anywhere (an index that forgot, a prefix under the distinctive minimum): the
+            # client's prompt_cache_key says where the same prefix likely went, unless that pool is busier by the margin.
+            if (hint is not None and hint != (chosen, chosen) and hint in elsewhere and not mine_cached and not cached(*best)
+                    and work(*hint) - mine <= self.cfg.balance_margin_tokens):
+                return Decision(hint[0], "cache_key", ratio, blocks, hint[1])
             theirs = work(other, moved_as)
             # The margin keeps the intended model at low load; where the other pool would run the same model (dual
             # mode) the two engines are alike for this request, and the less loaded one serves it.

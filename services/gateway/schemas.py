@@ -18,6 +18,8 @@ MAX_INT32 = 2**31 - 1  # token counts: far above any context, small enough for e
 MAX_SCHEMA_CHARS = 100_000  # a JSON schema, grammar or regex for structured output, serialized
 
 
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingOptions))  # read once: fields() is not free
+
 class FieldError(ValueError):
     """A check across fields: the message names the field `param` it is about."""
 
@@ -262,7 +264,7 @@ class Sampling(Strict):
             "stop_token_ids": list(self.stop_token_ids or []), "logit_bias": self.logit_bias_ids(),
             "skip_special_tokens": self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
         }
-        same = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingOptions) if f.name not in converted}
+        same = {name: getattr(self, name) for name in _SAMPLING_FIELDS if name not in converted}
         return SamplingOptions(**same, **converted)
 
     @field_validator("stop")
@@ -301,6 +303,8 @@ class ChatCompletionRequest(Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: requests sharing it likely share a prefix; a hint to cache-aware routing, per API key (RoutePolicy.decide)
+    prompt_cache_key: str | None = Field(None, max_length=64)
 
     @model_validator(mode="after")
     def _chat_combinations(self):

@@ -127,6 +127,11 @@ class Backend(Protocol):
         """ZMQ endpoints where the engines publish vLLM's KV-cache events, for the gateway's prefix-cache index to
         follow (services/common/kv_events.py); none where they do not (Ray replicas, or not configured)."""
 
+    def replica_count(self) -> int:
+        """Engines serving the pool now, over which its work spreads (the gateway's TTFT prediction and
+        swiftkv_pool_replicas): an in-process pool's engine, a remote pool's reachable servers, a Ray pool's running
+        replicas as its last health check counted them. Optional: one where a backend does not say."""
+
     async def recover(self) -> None:
         """Bring a backend whose health check fails back if it takes action (restart a dead engine, deploy
         again, reconnect); return when it may serve again, raise if it cannot yet."""

@@ -319,6 +319,10 @@ class InProcessBackend(VLLMEngine):
         """Bound to CPU cores of its own, its start competes with no other engine's."""
         return self.cpu_bind not in (None, "nobind")
 
+    def replica_count(self) -> int:
+        """One engine (its tensor- or pipeline-parallel workers serve it together)."""
+        return 1
+
     async def start(self) -> None:
         self.stat_loggers = [engine_metrics().stat_logger(self.name)]  # its metrics kept apart from other engines'
         await super().start()

@@ -17,7 +17,7 @@ class FakeBackend:
     choice (logprobs when asked), `chunk` tokens per output, one output every `delay` s; or with what `script(request)`
     returns. `error`, when set, is raised instead of answering. `gate` (an asyncio.Event), when given, holds the requests
     that `hold(request)` picks (default: all) before their first token until it is set; a request cancelled before its
-    last output counts as aborted. `up` False: start, health and recover say the engines are down. `cache` (block size,
+    last output counts as aborted. `up` False: start, health and recover say the engines are down. `replicas`: the engines it says serve the pool (`replica_count`). `cache` (block size,
     capacity tokens) is what it reports of its KV cache, as an in-process engine does; `token_id`, when set, is the id
     it reports for every token it answers (as an in-process engine reports its tokens' ids). `check`, when given, sees
     each request first and may refuse it (raise BadRequest) as an engine would; `kv_events`, the endpoints where its
@@ -33,11 +33,12 @@ class FakeBackend:
                  gate: asyncio.Event | None = None, hold: Callable[[GenerateRequest], bool] | None = None,
                  script: Callable[[GenerateRequest], Iterable[Output]] | None = None, up: bool = True, record: bool = True,
                  cache: tuple[int, int] | None = None, token_id: int | None = None,
-                 check: Callable[[GenerateRequest], None] | None = None, kv_events: Iterable[str] = ()):
+                 check: Callable[[GenerateRequest], None] | None = None, kv_events: Iterable[str] = (), replicas: int = 1):
         self.name, self.tokens, self.delay, self.text, self.chunk = name, tokens, delay, text, chunk
         self.gate, self.hold, self.script, self.up = gate, hold or (lambda request: True), script, up
         self.record, self.cache, self.token_id, self.check = record, cache, token_id, check
         self.kv_events = tuple(kv_events)
+        self.replicas = replicas  # the engines it says serve the pool (replica_count); a test may change it
         self.error: Exception | None = None
         self.requests: list[GenerateRequest] = []
         self.waiting = self.served = self.aborted = 0
@@ -71,6 +72,9 @@ class FakeBackend:
 
     def kv_event_endpoints(self) -> list[str]:
         return list(self.kv_events)
+
+    def replica_count(self) -> int:
+        return self.replicas
 
     async def recover(self) -> None:
         if not self.up:

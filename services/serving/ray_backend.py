@@ -92,6 +92,7 @@ class RayBackend:
         self.cfg = cfg
         self.served_model_name = served_model_name
         self.handle = None
+        self.running = 0  # replicas RUNNING as the last health check saw them
 
     async def start(self) -> None:
         t0 = time.perf_counter()
@@ -145,6 +146,9 @@ class RayBackend:
     def prefix_cache(self) -> None:
         return None  # not reported over HTTP: routing.prefix_block_size / prefix_cache_tokens, or their defaults
 
+    def replica_count(self) -> int:
+        return self.running
+
     async def health(self) -> bool:
         """RUNNING, and (unless the pool may scale to zero) a replica running: while Serve replaces a replica
         that died, requests sent to the pool only wait in the handle for as long as the new replica's engine
@@ -153,11 +157,13 @@ class RayBackend:
             return False
         app = await self._app()
         if app is None or _name(app.status) != "RUNNING":
+            self.running = 0
             return False
+        running = [sum(n for state, n in d.replica_states.items() if _name(state) == "RUNNING") for d in app.deployments.values()]
+        self.running = min(running, default=0)  # one deployment per pool: its engine replicas
         if self.cfg.replicas.min == 0:
             return True
-        return all(sum(n for state, n in d.replica_states.items() if _name(state) == "RUNNING") > 0
-                   for d in app.deployments.values())
+        return all(n > 0 for n in running)
 
     async def recover(self) -> None:
         """Deploy (or attach) again if the first attempt failed; Serve itself replaces replicas that die."""

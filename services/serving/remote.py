@@ -195,6 +195,9 @@ class RemoteBackend:
     def prefix_cache(self) -> None:
         return None  # not reported over HTTP: routing.prefix_block_size / prefix_cache_tokens, or their defaults
 
+    def replica_count(self) -> int:
+        return 1  # one server (several of one model are a ReplicaSet)
+
     async def health(self) -> bool:
         try:
             r = await self.client.get(f"{self.base}/models", timeout=5.0)

@@ -137,6 +137,10 @@ class ReplicaSet:
     def prefix_cache(self) -> None:
         return None
 
+    def replica_count(self) -> int:
+        """The servers not marked down (by their last health check or a request that found them down)."""
+        return sum(self.chooser.up.values())
+
     def kv_event_endpoints(self) -> list[str]:
         return [e for backend in self.replicas.values() for e in backend.kv_event_endpoints()]
 

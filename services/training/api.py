@@ -179,6 +179,8 @@ def fetch_model(source: tuple[str, str | Path], models_dir: Path, max_model_byte
 
     kind, name = source
     folder = Path(name)
+    if kind == "local":  # named in messages as in the models directory, never by the server's path to it
+        name = os.path.relpath(folder, os.path.abspath(models_dir))
     try:
         if kind == "registered":
             folder = catalog.prepare(name, models_dir)

@@ -32,7 +32,7 @@ from ..same_distribution import compare
 QUESTION = "What is the capital of France?"
 CHAT_QUESTIONS = (QUESTION, "Name three colours of the rainbow.", "What is 12 times 12?",
                   "Write one sentence about the sea.")
-# The embedded default's n-gram setting (services/platform.py)
+# The embedded default's n-gram setting (services/config.py, DEFAULT_CONFIG)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
 

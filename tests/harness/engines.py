@@ -43,8 +43,11 @@ def platform_config(tiny_base: Path, tiny_swiftkv: Path, work: Path) -> dict:
         "model": PUBLIC,
         "data_dir": str(work / "data"),
         "pools": {
-            "swiftkv": {"model": str(swiftkv), "engine_args": engine_args(scheduling_policy="priority", max_num_seqs=1)},
-            "base": {"model": str(tiny_base), "engine_args": engine_args(scheduling_policy="priority"), "tool_call_parser": "hermes"},
+            # an SLO that counts attainment (the SLO panels and burn-rate alerts read it) and sheds nothing
+            "swiftkv": {"model": str(swiftkv), "engine_args": engine_args(scheduling_policy="priority", max_num_seqs=1),
+                        "slo": {"ttft_seconds": 30.0}},
+            "base": {"model": str(tiny_base), "engine_args": engine_args(scheduling_policy="priority"), "tool_call_parser": "hermes",
+                     "slo": {"ttft_seconds": 30.0}},
         },
         # the index follows the engines' KV-cache events; the route's reason in the header, which the tests read
         "routing": {"ratio_threshold": 4.0, "kv_events": True, "expose_reason": True},

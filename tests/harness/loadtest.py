@@ -15,9 +15,7 @@ from swiftkv_core import data as D
 
 from .processes import BIN, tool_env
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # the load-test tools are scripts of the checkout, not an installed package
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]  # where the tools run (loadtest is a package of the project, installed with it)
 
 needs_manpages = pytest.mark.skipif(not any(d.is_dir() for d in D.MAN_DIRS), reason="no man pages on this machine")
 

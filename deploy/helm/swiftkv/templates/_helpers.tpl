@@ -87,11 +87,6 @@ swiftkv-{{ . }}
 {{- end -}}
 
 {{- define "swiftkv.platformConfig" -}}
-{{- range $name, $pool := .Values.platform.pools -}}
-{{- if and $pool.dual_mode ($.Values.platform.routing | default dict).kv_events -}}
-{{- fail (printf "platform.pools.%s.dual_mode with platform.routing.kv_events: the gateway's block hashes do not include vLLM's cache salt yet, so a dual-mode engine's base-mode events would not match them; turn kv_events off" $name) -}}
-{{- end -}}
-{{- end -}}
 {{- $cfg := deepCopy .Values.platform -}}
 {{- $_ := set $cfg "host" "0.0.0.0" -}}
 {{- $_ := set $cfg "port" (int .Values.gateway.port) -}}
@@ -121,6 +116,9 @@ swiftkv-{{ . }}
 {{- end -}}
 {{- if $pool.dual_mode -}}
 {{- $_ := set $remote "dual_mode" true -}}
+{{- end -}}
+{{- with $pool.slo -}}
+{{- $_ := set $remote "slo" . -}}
 {{- end -}}
 {{- $_ := set $pools $name $remote -}}
 {{- end -}}
