@@ -178,7 +178,7 @@ async def measure(args, ports: dict[str, int], pids: dict[str, int]) -> dict:
             await sequential(session, targets[name], SHORT, 200)
         times: dict[str, list[float]] = {name: [] for name in (*CONFIGS, "baseline")}
         huge: dict[str, list[float]] = {name: [] for name in (*CONFIGS, "baseline")}
-        batch = 250
+        batch = min(250, args.requests)
         for i in range(args.requests // batch):  # interleaved, so drift hits every server alike
             body = SHORT if i % 2 == 0 else LONG
             for name in times:

@@ -260,7 +260,7 @@ async def test_redis_limits_are_shared_by_gateways_and_awaited(tiny_base):
     body = {"model": "m", "prompt": "hi", "max_tokens": 4}
     async with client(a, key) as ca, client(b, key) as cb:
         statuses = [(await c.post("/v1/completions", json=body)).status_code for c in (ca, cb, ca, cb)]
-        await asyncio.gather(*a.dispatch._settling, *b.dispatch._settling)  # reservations are settled in tasks of their own
+        await asyncio.gather(*a.limiter._settling, *b.limiter._settling)  # reservations are settled in tasks of their own
     assert statuses == [200, 200, 200, 429]
     assert a.limiter.down_since is None and b.limiter.down_since is None  # Redis answered every call
     import redis
@@ -314,7 +314,7 @@ async def test_a_request_without_max_tokens_is_settled_as_it_streams_in_redis(ti
     async with client(gw, key) as c:
         r = await c.post("/v1/chat/completions", json={"model": "m", "messages": HI, "stream": True,
                                                         "stream_options": {"include_usage": True}})
-        await asyncio.gather(*gw.dispatch._settling)
+        await asyncio.gather(*gw.limiter._settling)
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     finish = [ch["finish_reason"] for e in events for ch in e["choices"] if ch.get("finish_reason")]
     assert events[-1]["usage"]["completion_tokens"] == 768 and finish == ["length"]

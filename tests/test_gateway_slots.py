@@ -259,7 +259,7 @@ async def test_a_request_without_max_tokens_is_settled_as_it_streams(tiny_base, 
     extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
     async with client(create_app(gw)) as c:
         r = await c.post("/v1/chat/completions", json=CHAT | extra)
-        await asyncio.gather(*gw.dispatch._settling)
+        await asyncio.gather(*gw.limiter._settling)
     assert r.status_code == 200, r.text
     tokens, finish = choice_of(r)
     assert 50 <= tokens <= 51 and finish == "length"
@@ -274,7 +274,7 @@ async def test_a_request_without_max_tokens_within_the_budget_runs_to_its_end_an
     gw, backend = gateway(tiny_base, FakeBackend(tokens=300, chunk=7), estimate=10, output_tokens_per_minute=10_000)
     async with client(create_app(gw)) as c:
         r = await c.post("/v1/chat/completions", json=CHAT | {"n": 2})
-        await asyncio.gather(*gw.dispatch._settling)
+        await asyncio.gather(*gw.limiter._settling)
     assert r.status_code == 200 and choice_of(r) == (600, "length") and backend.aborted == 0
     level = gw.limiter.buckets["anonymous"]["output_tokens"].level
     assert 10_000 - 600 <= level <= 10_000 - 600 + 5  # (plus the refill meanwhile)

@@ -33,7 +33,6 @@ class Dispatcher:
         self.output_estimate = output_estimate  # admission's: answers that ran to their end update their key's
         self.set_ready = set_ready  # the pool lifecycle's: a pool found down leaves routing at once
         self.retry_after = retry_after
-        self._settling: set[asyncio.Task] = set()
 
     def choose(self, admitted: AdmittedRequest, shed: bool = False) -> Decision:
         """The pool for an admitted request, on its prompt tokens and expected output (and, with cache-aware routing,
@@ -209,7 +208,7 @@ class Dispatcher:
             if status == "ok" and admitted.estimate_output and not cut:  # a cut answer did not run to its own end
                 self.output_estimate.update(admitted.identity, admitted.request.model, per_choice, request.sampling.max_tokens)
             if admitted.reserved is not None:  # charge what was generated, beyond the reservation too (less what streaming took)
-                self.settle_later(admitted.identity, admitted.reserved, generated - taken)
+                self.limiter.settle_soon(admitted.identity, admitted.reserved, generated - taken)
 
     def note_prefix(self, pool: PoolState, mode: str | None, prompt_tokens: int, blocks: Sequence[bytes]) -> int:
         """Cache-aware routing: the prompt tokens the pool should find cached for the model `mode` it runs the request as
@@ -238,12 +237,7 @@ class Dispatcher:
         if more:
             index.record(pool.name, [*blocks, *more])
 
-    def settle_later(self, identity: str, reserved: int, generated: int) -> None:
-        """Settle an output reservation in a task of its own: it completes even while the request's own task
-        is being cancelled (the client left), and the end of an answer never waits on Redis."""
-        task = asyncio.get_running_loop().create_task(self.limiter.settle(identity, reserved, generated))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+
 
 
 def collect_token_ids(ids: list[int], out: Output) -> list[int] | None:

@@ -45,6 +45,7 @@ class RateLimiter:
         # the running KeyStore, read per request: a key's limit changed by a reload of the keys file applies to its next one
         self.keys = per_key if isinstance(per_key, KeyStore) else KeyStore(per_key)
         self.buckets: dict[str, dict[str, Bucket]] = {}
+        self._settling: set[asyncio.Task] = set()  # settle_soon's tasks until they end (only where buckets are remote)
         self.checked: dict[str, int] = {}  # per key, the KeyStore.generation its buckets were last sized for
 
     def limits(self, identity: str) -> dict[str, int | None]:
@@ -113,6 +114,11 @@ class RateLimiter:
         back; an overage (a request without max_tokens that ran past its estimate) is taken too, and may
         leave the bucket below zero so the key's next requests wait until it has refilled."""
         self._settle(identity, reserved, actual, kind)
+
+    def settle_soon(self, identity: str, reserved: int, actual: int) -> None:
+        """`settle` of output tokens from code that cannot wait (an answer's end, maybe in a task being cancelled): at
+        once here; through a task of its own where the buckets are remote (RedisRateLimiter)."""
+        self._settle(identity, reserved, actual, "output_tokens")
 
     def _settle(self, identity: str, reserved: int, actual: int, kind: str) -> None:
         # made here if need be: a request admitted through Redis may end after Redis went away
@@ -246,6 +252,13 @@ class RedisRateLimiter(RateLimiter):
             return
         if not self._shared() or await self._run(identity, "adjust", {kind: min(reserved, cap) - actual}) is None:
             self._settle(identity, reserved, actual, kind)
+
+    def settle_soon(self, identity: str, reserved: int, actual: int) -> None:
+        """In a task of its own: it completes even while the request's own task is being cancelled (the client left),
+        and the end of an answer never waits on Redis."""
+        task = asyncio.get_running_loop().create_task(self.settle(identity, reserved, actual))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
     async def charge(self, identity: str, output_tokens: int) -> None:
         cap = self.limits(identity).get("output_tokens")
