@@ -49,8 +49,8 @@ def trainer_openapi() -> dict:
     from services.training.service import TrainerSettings, create_app
 
     with tempfile.TemporaryDirectory() as data_dir:
-        keys = Path(data_dir) / "keys"
-        keys.write_text(DOC_KEY + "\n")
+        keys = Path(data_dir) / "keys.yaml"
+        keys.write_text(f"keys:\n  - key: {DOC_KEY}\n    name: docs\n")
         app = create_app(TrainerSettings(data_dir=data_dir, api_keys_file=str(keys)))
         try:
             return app.openapi()

@@ -23,6 +23,7 @@ does not validate is not loaded: the process keeps its keys, logs why and counts
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -437,6 +438,9 @@ class KeyStore:
         self._task = asyncio.create_task(self._watch(hup), name="swiftkv-keys-watch")
 
     async def _watch(self, hup: asyncio.Event) -> None:
+        # A change made while this process started (a SIGHUP then was ignored: no handler yet) is taken now.
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.check)
         while True:
             if self.reload_seconds > 0:
                 await wait_event(hup, self.reload_seconds)
