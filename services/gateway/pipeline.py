@@ -122,16 +122,9 @@ class Gateway:
         log.debug("request %s routed: %s", gen.request_id, decision.header(expose_reason=True))
         headers = {"x-swiftkv-route": decision.header(self.cfg.routing.expose_reason), "x-request-id": gen.request_id}
         if req.stream:
-            # The status line goes out with the first byte: wait for the first output (or the error), so a
-            # request the engine refuses gets its real 4xx/5xx instead of a 200 with an error event.
-            try:
-                first = await first_outputs(request, stream)
-            except ClientGone:
-                return Response(status_code=499)
-            except (BackendError, BadRequest) as e:
-                await stream.aclose()
-                status, body = failure(e, admitted.structured_param)
-                return JSONResponse(body, status_code=status, headers=headers | (self.lifecycle.retry_after if status == 503 else {}))
+            first = await self.first_or_refusal(request, stream, admitted, headers)
+            if isinstance(first, Response):
+                return first
             return EventStream(sse_body(stream, first, admitted.render, admitted.prompt_tokens, req.include_usage, req.continuous_usage),
                                headers)
         try:
@@ -142,6 +135,20 @@ class Gateway:
         content = json_bytes(body) if small_answer(body) else await self.off_loop(json_bytes, body)  # up to limits.max_unstreamed_tokens
         return Response(content, status_code=status, headers=headers | (self.lifecycle.retry_after if status == 503 else {}),
                         media_type="application/json")
+
+    async def first_or_refusal(self, request: Request, stream: AsyncIterator[Output], admitted: AdmittedRequest,
+                               headers: dict[str, str], rename: Callable[[dict], dict] = lambda body: body) -> list[Output] | Response:
+        """A streamed answer's outputs up to its first content, or the response that ends it there. The status line goes
+        out with the first byte, so a request the engine refuses gets its real 4xx/5xx (its body through `rename`; a 503
+        with Retry-After) instead of a 200 with an error event; a client gone meanwhile is a 499."""
+        try:
+            return await first_outputs(request, stream)
+        except ClientGone:
+            return Response(status_code=499)
+        except (BackendError, BadRequest) as e:
+            await stream.aclose()
+            status, body = failure(e, admitted.structured_param)
+            return JSONResponse(rename(body), status_code=status, headers=headers | (self.lifecycle.retry_after if status == 503 else {}))
 
     # ---- requests without HTTP (the Batch API) ---------------------------------------------------
     async def prepare(self, data: object, kind: str, source: str = "batch") -> ChatCompletionRequest | CompletionRequest:

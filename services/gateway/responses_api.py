@@ -28,12 +28,11 @@ from services.common.ids import ID, new_id
 from services.common.pagination import cursor, int_param, only_query
 from services.common.threads import Threads
 from services.common.validation import choice
-from services.serving.backend import BackendError, BadRequest
 
 from . import metrics
 from .admission import count_rejection
-from .pipeline import ClientGone, EventStream, Gateway, first_outputs, until_disconnect
-from .render import collect, failure, json_bytes
+from .pipeline import ClientGone, EventStream, Gateway, until_disconnect
+from .render import collect, json_bytes
 from .responses import ResponsesRequest, chat_body, from_chat, parse_request, renamed, renamed_body, stored_items
 from .responses_store import ResponseStore, record_of
 from .responses_stream import ResponseEvents
@@ -213,19 +212,14 @@ class ResponsesAPI:
             return e.response()
         resp_id, created = new_id("resp_"), int(time.time())
         admitted.route = "responses"
-        metrics.route_decisions.labels(decision.pool, decision.reason, "live").inc()
+        metrics.labelled(metrics.route_decisions, decision.pool, decision.reason, "live").inc()
         metrics.for_pool(decision.pool, req.model).overhead.observe(time.perf_counter() - t0)
         stream = gw.dispatch.stream(admitted, decision, t0)
         headers = {"x-swiftkv-route": decision.header(self.cfg.routing.expose_reason), "x-request-id": admitted.generate.request_id}
         if req.stream:
-            try:  # the status line waits for the first output, so an engine's refusal is a real 4xx/5xx
-                first = await first_outputs(request, stream)
-            except ClientGone:
-                return Response(status_code=499)
-            except (BackendError, BadRequest) as e:
-                await stream.aclose()
-                status, body = failure(e, admitted.structured_param)
-                return JSONResponse(renamed_body(body), status_code=status, headers=headers)
+            first = await gw.first_or_refusal(request, stream, admitted, headers, renamed_body)
+            if isinstance(first, Response):
+                return first
             save = (lambda response: self.save(response, turn, identity)) if req.store else None
             events = ResponseEvents(resp_id, req, created, admitted.render, admitted.prompt_tokens, save)
             return EventStream(events.body(stream, first), headers)  # one watcher task, no anyio task group
